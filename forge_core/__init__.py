@@ -1,0 +1,1 @@
+"""forge_core: core library of forge-recipes (losses, advantages, shared RL math)."""

@@ -1,0 +1,780 @@
+"""Policy-gradient losses for RL post-training of LLMs, behind one interface.
+
+Choosing an algorithm is one config key: ``loss=<name>`` selects one of the dataclasses in
+:data:`LOSS_CONFIGS` (its own parameters live under it) and :func:`compute_loss` dispatches on
+``cfg.name``. Every loss sees the same inputs and returns ``(loss, metrics)``:
+
+* ``logprobs``            [B, T]  per-token log pi_theta(y_t | x, y_<t) of the policy being trained
+                                  (the only input gradients flow into);
+* ``behaviour_logprobs``  [B, T]  log-probs of the same tokens under the generator (pi_old / the
+                                  sampler, e.g. vLLM); treated as constants;
+* ``ref_logprobs``        [B, T]  log-probs under the frozen reference model, or ``None``
+                                  (needed only when ``cfg.beta > 0``); treated as constants;
+* ``advantages``          [B] (one per sequence, broadcast over its tokens) or [B, T];
+* ``mask``                [B, T]  1/True on response tokens that count, 0/False elsewhere.
+
+Conventions used by every function in this module
+-------------------------------------------------
+* The returned loss is what is *minimised*: minus the surrogate objective of the paper, plus
+  ``beta * KL`` when ``beta > 0``. The per-token losses are reduced by :func:`aggregate`.
+* Computation happens in float32 (float64 when the policy logprobs are float64), whatever the
+  input dtype: bf16/fp16 inputs are upcast before any arithmetic, so the loss is float32.
+* Masked positions never leak into values or gradients, even when they hold garbage
+  (``-inf``/``nan``): inputs are replaced by 0 there *before* any ``exp``.
+* Clip boundaries: a ratio exactly on a boundary counts as inside the trust region (full
+  gradient, not counted in the clip fractions); strictly beyond it is clipped.
+* Notation: r_t = pi_theta / pi_behaviour = exp(logprobs - behaviour_logprobs); A = advantage;
+  sg(.) = stop-gradient (``.detach()``).
+
+References (arXiv ids): GRPO 2402.03300, Dr. GRPO 2503.20783, DAPO 2503.14476, dual-clip PPO
+1912.09729, GSPO 2507.18071, CISPO (MiniMax-M1) 2506.13585, SAPO 2511.20347, PPO 1707.06347;
+REINFORCE: Williams (1992), "Simple statistical gradient-following algorithms for connectionist
+reinforcement learning", Machine Learning 8:229-256; truncated importance sampling (TIS): Yao et
+al. (2025), "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+https://fengyao.notion.site/off-policy-rl; KL estimators: Schulman (2020), "Approximating KL
+divergence", http://joschu.net/blog/kl-approx.html.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "LOSS_CONFIGS",
+    "METRIC_KEYS",
+    "AdvantageConfig",
+    "CISPOLossConfig",
+    "DAPOLossConfig",
+    "DrGRPOLossConfig",
+    "GRPOLossConfig",
+    "GSPOLossConfig",
+    "LossConfig",
+    "ReinforceLossConfig",
+    "SAPOLossConfig",
+    "aggregate",
+    "compute_advantages",
+    "compute_loss",
+    "group_advantages",
+    "kl_estimate",
+    "make_loss_config",
+]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean", "fixed_horizon")
+ADVANTAGE_ESTIMATORS = ("zscore", "mean", "rloo")
+METRIC_KEYS = (
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "clip_frac_low",
+    "clip_frac_high",
+    "kl_mean",
+    "kl_max",
+    "masked_frac",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+# Field annotations use typing.Optional (not ``X | None``) so OmegaConf.structured / Hydra's
+# ConfigStore accept every dataclass on all supported OmegaConf versions.
+
+
+@dataclass
+class LossConfig:
+    """Fields common to every loss; each algorithm subclasses it with its own parameters.
+
+    Attributes:
+        name: which loss :func:`compute_loss` runs; a key of :data:`LOSS_CONFIGS`.
+        beta: coefficient of the per-token KL-to-reference penalty added to the loss (GRPO,
+            arXiv:2402.03300, eq. 3). 0 disables it, and then ``ref_logprobs`` may be ``None``.
+        kl_estimator: ``"k1" | "k2" | "k3"``, see :func:`kl_estimate`.
+        aggregation: ``"token_mean" | "seq_mean" | "fixed_horizon"``, see :func:`aggregate`.
+        horizon: the max length L used by ``fixed_horizon`` (loss = sum / (B * L)); ``None``
+            means the padded width T of the batch. Ignored by the other aggregations.
+
+    Works as a dataclass or as an OmegaConf ``DictConfig`` with the same fields: the loss code
+    only reads attributes.
+    """
+
+    name: str = "grpo"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: str = "token_mean"
+    horizon: Optional[int] = None
+
+
+@dataclass
+class GRPOLossConfig(LossConfig):
+    """GRPO: PPO clipped surrogate with group-relative advantages (DeepSeekMath, arXiv:2402.03300).
+
+    Per token (eq. 3 of arXiv:2402.03300, PPO's clip arXiv:1707.06347 with separate bounds)::
+
+        loss_t = -min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t) + beta * KL_t
+
+    aggregated with ``seq_mean`` (1/G sum_i 1/|o_i| sum_t, as in the paper); the paper's KL
+    is the k3 estimator with beta = 0.04. ``dual_clip`` (None = off) adds dual-clip PPO
+    (arXiv:1912.09729) exactly as in :class:`DAPOLossConfig`.
+    """
+
+    name: str = "grpo"
+    beta: float = 0.04
+    aggregation: str = "seq_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+
+
+@dataclass
+class DrGRPOLossConfig(LossConfig):
+    """Dr. GRPO, "Understanding R1-Zero-Like Training: A Critical Perspective" (arXiv:2503.20783).
+
+    Same per-token clipped surrogate as GRPO, but without the per-response length normalisation:
+    ``fixed_horizon`` aggregation (sum over tokens / (B * max length)), no KL (beta = 0). Pair it
+    with ``AdvantageConfig(estimator="mean")`` (no division by the group std).
+    """
+
+    name: str = "dr_grpo"
+    beta: float = 0.0
+    aggregation: str = "fixed_horizon"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+
+
+@dataclass
+class DAPOLossConfig(LossConfig):
+    """DAPO (arXiv:2503.14476): clip-higher, token-level mean, no KL; plus dual clip.
+
+    Per token::
+
+        obj_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)   # clip-higher, eq. 8
+        obj_t = max(obj_t, dual_clip * A_t)   if A_t < 0                    # arXiv:1912.09729
+        loss_t = -obj_t
+
+    aggregated with ``token_mean`` (1 / sum_i |o_i| sum_i sum_t). ``dual_clip`` (c > 1; None =
+    off) bounds the loss of a negative-advantage token whose ratio has blown up (r > c).
+    Dynamic sampling is :class:`AdvantageConfig`'s ``drop_zero_variance``.
+    """
+
+    name: str = "dapo"
+    beta: float = 0.0
+    aggregation: str = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = 3.0
+
+
+@dataclass
+class GSPOLossConfig(LossConfig):
+    """GSPO, Group Sequence Policy Optimization (arXiv:2507.18071).
+
+    Sequence-level ratio s_i = exp(1/|y_i| sum_t (logp_t - logp_behaviour_t)), clipped with its
+    own small range (the paper uses 3e-4 / 4e-4)::
+
+        loss_i = -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+
+    aggregated with ``seq_mean`` (1/G sum_i, the paper's eq. 5). Implemented in the GSPO-token
+    form (paper, sec. 4.3) so that [B, T] advantages also work; for [B] advantages it has the
+    same value and gradient as the sequence-level form under every aggregation.
+    """
+
+    name: str = "gspo"
+    beta: float = 0.0
+    aggregation: str = "seq_mean"
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+
+@dataclass
+class CISPOLossConfig(LossConfig):
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585, eq. 4-5).
+
+    Per token::
+
+        loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logp_t
+
+    aggregated with ``token_mean``. Every token keeps a gradient; only its weight is clipped.
+    The paper imposes no lower bound ("we set eps_low to a large value"): clip_low = 1.0 makes
+    the lower bound 0; clip_high = 0.28.
+    """
+
+    name: str = "cispo"
+    beta: float = 0.0
+    aggregation: str = "token_mean"
+    clip_low: float = 1.0
+    clip_high: float = 0.28
+
+
+@dataclass
+class SAPOLossConfig(LossConfig):
+    """SAPO, Soft Adaptive Policy Optimization (arXiv:2511.20347): a soft gate, no hard clip.
+
+    Per token::
+
+        f(r) = sigmoid(tau * (r - 1)) * 4 / tau,   tau = tau_pos if A_t > 0 else tau_neg
+        loss_t = -f(r_t) * A_t
+
+    aggregated with ``seq_mean`` (1/G sum_i 1/|y_i| sum_t, as in the paper's objective). The
+    gradient weight is f'(r) r = 4 sigmoid(u)(1 - sigmoid(u)) r with u = tau (r - 1): 1 on
+    policy (so SAPO reduces to the plain policy gradient there), decaying smoothly off policy,
+    faster for larger tau. Defaults tau_pos = 1.0, tau_neg = 1.05 (tau_neg > tau_pos, the
+    paper's recommendation: negative-advantage tokens are damped faster).
+    """
+
+    name: str = "sapo"
+    beta: float = 0.0
+    aggregation: str = "seq_mean"
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+
+@dataclass
+class ReinforceLossConfig(LossConfig):
+    """REINFORCE (Williams, 1992) with optional truncated importance sampling (TIS).
+
+    Per token::
+
+        w_t = sg(min(r_t, tis_cap))  if tis_cap is not None else 1
+        loss_t = -w_t * A_t * logp_t
+
+    aggregated with ``token_mean``. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training") corrects the mismatch between the sampler's log-probs
+    (``behaviour_logprobs``) and the trainer's; they use a cap C = 2.
+    """
+
+    name: str = "reinforce"
+    beta: float = 0.0
+    aggregation: str = "token_mean"
+    tis_cap: Optional[float] = None
+
+
+LOSS_CONFIGS: dict[str, type[LossConfig]] = {
+    "grpo": GRPOLossConfig,
+    "dr_grpo": DrGRPOLossConfig,
+    "dapo": DAPOLossConfig,
+    "gspo": GSPOLossConfig,
+    "cispo": CISPOLossConfig,
+    "sapo": SAPOLossConfig,
+    "reinforce": ReinforceLossConfig,
+}
+"""Loss name (the value of ``cfg.name``, and the Hydra option ``loss=<name>``) -> its config."""
+
+
+def make_loss_config(name: str, **overrides: Any) -> LossConfig:
+    """Build the default config of loss ``name`` with some fields overridden.
+
+    Args:
+        name: a key of :data:`LOSS_CONFIGS`.
+        **overrides: field values, e.g. ``clip_high=0.3``.
+
+    Returns:
+        The dataclass instance (its ``name`` is always ``name``).
+
+    Raises:
+        ValueError: unknown ``name`` (message names the field ``name``).
+        TypeError: an override that is not a field of that config.
+    """
+    if name not in LOSS_CONFIGS:
+        raise ValueError(f"unknown loss name={name!r}; expected one of {sorted(LOSS_CONFIGS)}")
+    return LOSS_CONFIGS[name](**overrides)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else (bf16, fp16, fp32, ints) computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_2d(name: str, x: torch.Tensor, shape: Optional[torch.Size] = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be [B, T], got shape {tuple(x.shape)}")
+    if shape is not None and x.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} ([B, T])")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens' log-probs.
+
+    Schulman (2020), "Approximating KL divergence", http://joschu.net/blog/kl-approx.html, with
+    x = logprobs - ref_logprobs (the tokens are sampled from pi_theta, or close to it):
+
+    * ``k1 = x``                              unbiased, high variance, can be negative;
+    * ``k2 = x**2 / 2``                       biased, low variance, >= 0;
+    * ``k3 = exp(-x) - 1 + x``                unbiased, low variance, >= 0 (GRPO's choice,
+      arXiv:2402.03300 eq. 4: pi_ref/pi_theta - log(pi_ref/pi_theta) - 1).
+
+    Gradients flow into ``logprobs`` only; ``ref_logprobs`` is detached. Computed in float32
+    (float64 for float64 inputs). Purely elementwise: apply the mask afterwards.
+
+    Args:
+        logprobs: [B, T] (any shape, matching ``ref_logprobs``).
+        ref_logprobs: same shape.
+        estimator: ``"k1" | "k2" | "k3"``.
+
+    Returns:
+        Tensor of the same shape as ``logprobs``.
+
+    Raises:
+        ValueError: unknown ``estimator`` (names the field ``kl_estimator``) or shape mismatch.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator={estimator!r}; expected one of {KL_ESTIMATORS}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected {tuple(logprobs.shape)}"
+        )
+    dtype = _compute_dtype(logprobs.dtype)
+    x = logprobs.to(dtype) - ref_logprobs.detach().to(dtype)
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return 0.5 * x * x
+    # exp(-x) - 1 + x, with expm1 for precision near x = 0.
+    return torch.expm1(-x) + x
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    horizon: Optional[int] = None,
+) -> torch.Tensor:
+    """Reduce per-token losses [B, T] to a scalar over the tokens where ``mask`` is set.
+
+    With m = mask, n_i = sum_t m_it and l = per_token:
+
+    * ``token_mean``    sum_it m l / sum_it m  (DAPO's token-level loss, arXiv:2503.14476 eq. 12;
+      every token weighs the same, long answers weigh more);
+    * ``seq_mean``      1/B' sum_{i: n_i > 0} (1/n_i) sum_t m l  (GRPO, arXiv:2402.03300 eq. 3:
+      mean per sequence, then mean over sequences). Fully masked rows are *skipped*: they are
+      left out of the average and of B' (the number of rows with n_i > 0), rather than counted
+      as zeros, so padding rows or dropped samples do not dilute the loss;
+    * ``fixed_horizon`` sum_it m l / (B * L)  (Dr. GRPO, arXiv:2503.20783: a constant
+      normaliser, no length bias), with B = all rows (masked ones included) and L = ``horizon``
+      or, when ``None``, the padded width T.
+
+    If no token is unmasked, every mode returns 0 (never NaN), with gradient 0. Masked positions
+    may hold non-finite values: they are selected away, not multiplied by 0.
+
+    Args:
+        per_token: [B, T] float tensor.
+        mask: [B, T] bool or 0/1 numeric.
+        mode: ``"token_mean" | "seq_mean" | "fixed_horizon"``.
+        horizon: L for ``fixed_horizon`` (positive int) or ``None``.
+
+    Returns:
+        0-dim tensor of ``per_token``'s dtype.
+
+    Raises:
+        ValueError: unknown ``mode`` (names the field ``aggregation``), non-positive
+            ``horizon``, or shape mismatch.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation={mode!r}; expected one of {AGGREGATIONS}")
+    _check_2d("per_token", per_token)
+    _check_2d("mask", mask, per_token.shape)
+    m = mask if mask.dtype == torch.bool else mask != 0
+    masked = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    if mode == "token_mean":
+        return masked.sum() / m.sum().clamp(min=1).to(per_token.dtype)
+    if mode == "seq_mean":
+        n = m.sum(dim=1)
+        per_seq = masked.sum(dim=1) / n.clamp(min=1).to(per_token.dtype)
+        return per_seq.sum() / (n > 0).sum().clamp(min=1).to(per_token.dtype)
+    length = per_token.shape[1] if horizon is None else int(horizon)
+    if length <= 0:
+        raise ValueError(f"horizon must be a positive int or None, got {horizon!r}")
+    return masked.sum() / float(per_token.shape[0] * length)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token policy terms. Each gets already-masked, upcast tensors (masked positions hold 0
+# and so ratio 1) and returns a _PolicyTerm. The per-token loss is to be minimised.
+# --------------------------------------------------------------------------------------------
+
+
+class _PolicyTerm(NamedTuple):
+    loss: torch.Tensor  # [B, T] per-token loss (minus the per-token objective)
+    ratio: torch.Tensor  # [B, T] the importance ratio the loss uses (detached), for metrics
+    clipped_low: Optional[torch.Tensor]  # [B, T] bool, low-side clip active (None: never)
+    clipped_high: Optional[torch.Tensor]  # [B, T] bool, high-side clip active (None: never)
+    extra: dict  # loss-specific metrics: name -> [B, T] tensor to average over unmasked tokens
+
+
+def _ppo_clip(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """PPO clipped surrogate min(r A, clip(r) A) (arXiv:1707.06347), optional dual clip.
+
+    Written with explicit branch masks instead of min/clamp so the gradient at a tie is
+    well defined (on the boundary: inside). Returns (objective, clipped_low, clipped_high,
+    dual_clipped), all [B, T].
+    """
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    pos, neg = adv > 0, adv < 0
+    # min(rA, clip(r)A) picks the clipped value only when clipping lowers the objective:
+    # A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
+    clipped_high = pos & (ratio > hi)
+    clipped_low = neg & (ratio < lo)
+    obj = ratio * adv
+    obj = torch.where(clipped_high, hi * adv, obj)
+    obj = torch.where(clipped_low, lo * adv, obj)
+    dual = None
+    if dual_clip is not None:
+        # max(min(rA, clip(r)A), cA) for A < 0 (arXiv:1912.09729 eq. 4): the lower bound cA
+        # is taken when the clipped objective falls strictly below it (for c > 1 + clip_high
+        # that is exactly r > c).
+        dual = neg & (obj < dual_clip * adv)
+        obj = torch.where(dual, dual_clip * adv, obj)
+    return obj, clipped_low, clipped_high, dual
+
+
+def _term_ppo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
+    """GRPO / Dr. GRPO / DAPO per-token term (see their configs)."""
+    ratio = torch.exp(lp - old)
+    dual_clip = cfg.dual_clip
+    obj, c_lo, c_hi, dual = _ppo_clip(ratio, adv, float(cfg.clip_low), float(cfg.clip_high),
+                                      None if dual_clip is None else float(dual_clip))
+    extra = {} if dual is None else {"clip_frac_dual": dual}
+    return _PolicyTerm(-obj, ratio.detach(), c_lo, c_hi, extra)
+
+
+def _term_gspo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
+    """GSPO-token (arXiv:2507.18071 sec. 4.3): s_it = sg(s_i) * pi_t / sg(pi_t).
+
+    s_it equals the sequence ratio s_i in value, and d s_it / d logp_t = s_i. With the same
+    advantage on all tokens of a sequence this reproduces the gradient of the sequence-level
+    objective, s_i A_i * mean_t grad logp_t, under every aggregation.
+    """
+    n = m.sum(dim=1).clamp(min=1).to(lp.dtype)
+    seq_log_ratio = (lp - old).sum(dim=1) / n  # masked positions hold 0
+    s_tok = torch.exp(seq_log_ratio.detach().unsqueeze(1) + lp - lp.detach())
+    obj, c_lo, c_hi, _ = _ppo_clip(s_tok, adv, float(cfg.clip_low), float(cfg.clip_high), None)
+    return _PolicyTerm(-obj, s_tok.detach(), c_lo, c_hi, {})
+
+
+def _term_cispo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
+    """CISPO (arXiv:2506.13585 eq. 4-5): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp."""
+    ratio = torch.exp(lp - old).detach()
+    lo, hi = 1.0 - float(cfg.clip_low), 1.0 + float(cfg.clip_high)
+    weight = ratio.clamp(min=lo, max=hi)
+    return _PolicyTerm(-(weight * adv * lp), ratio, ratio < lo, ratio > hi, {})
+
+
+def _term_sapo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
+    """SAPO (arXiv:2511.20347): -sigmoid(tau (r - 1)) * 4 / tau * A, tau by the sign of A."""
+    ratio = torch.exp(lp - old)
+    tau_pos, tau_neg = float(cfg.tau_pos), float(cfg.tau_neg)
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    sig = torch.sigmoid(tau * (ratio - 1.0))
+    gate = sig * (4.0 / tau)
+    with torch.no_grad():  # the soft gate's gradient weight f'(r) r, 1 on policy
+        grad_weight = 4.0 * sig * (1.0 - sig) * ratio
+    return _PolicyTerm(-(gate * adv), ratio.detach(), None, None, {"sapo_grad_weight_mean": grad_weight})
+
+
+def _term_reinforce(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
+    """REINFORCE (Williams 1992): -w * A * logp with w = sg(min(r, C)) (TIS) or 1."""
+    cap = cfg.tis_cap
+    ratio = torch.exp(lp - old).detach()
+    if cap is None:
+        return _PolicyTerm(-(adv * lp), ratio, None, None, {})
+    cap = float(cap)
+    weight = ratio.clamp(max=cap)
+    return _PolicyTerm(-(weight * adv * lp), ratio, None, ratio > cap, {})
+
+
+_TERMS: dict[str, Callable[..., _PolicyTerm]] = {
+    "grpo": _term_ppo,
+    "dr_grpo": _term_ppo,
+    "dapo": _term_ppo,
+    "gspo": _term_gspo,
+    "cispo": _term_cispo,
+    "sapo": _term_sapo,
+    "reinforce": _term_reinforce,
+}
+
+
+def _validate(cfg: Any) -> str:
+    """Check a loss config (dataclass or DictConfig); return its name. Raises ValueError."""
+    name = cfg.name
+    if name not in _TERMS:
+        raise ValueError(f"unknown loss name={name!r}; expected one of {sorted(_TERMS)}")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator={cfg.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+    if cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation={cfg.aggregation!r}; expected one of {AGGREGATIONS}")
+    if not float(cfg.beta) >= 0.0:
+        raise ValueError(f"beta must be >= 0, got {cfg.beta!r}")
+    if name in ("grpo", "dr_grpo", "dapo", "gspo", "cispo"):
+        for field in ("clip_low", "clip_high"):
+            if not float(getattr(cfg, field)) >= 0.0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)!r}")
+    if name in ("grpo", "dr_grpo", "dapo") and cfg.dual_clip is not None:
+        if not float(cfg.dual_clip) > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {cfg.dual_clip!r}")
+    if name == "sapo":
+        for field in ("tau_pos", "tau_neg"):
+            if not float(getattr(cfg, field)) > 0.0:
+                raise ValueError(f"{field} must be > 0, got {getattr(cfg, field)!r}")
+    if name == "reinforce" and cfg.tis_cap is not None and not float(cfg.tis_cap) > 0.0:
+        raise ValueError(f"tis_cap must be > 0 (or None), got {cfg.tis_cap!r}")
+    return name
+
+
+def compute_loss(
+    cfg: Any,
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Compute the loss selected by ``cfg.name`` and its metrics.
+
+    The formula of each loss is in its config's docstring: :class:`GRPOLossConfig`
+    (arXiv:2402.03300), :class:`DrGRPOLossConfig` (arXiv:2503.20783), :class:`DAPOLossConfig`
+    (arXiv:2503.14476, dual clip arXiv:1912.09729), :class:`GSPOLossConfig`
+    (arXiv:2507.18071), :class:`CISPOLossConfig` (arXiv:2506.13585), :class:`SAPOLossConfig`
+    (arXiv:2511.20347), :class:`ReinforceLossConfig` (Williams 1992; TIS, Yao et al. 2025).
+    To every per-token loss, ``beta * kl_estimate(logprobs, ref_logprobs, kl_estimator)`` is
+    added when ``beta > 0``; the sum is reduced by :func:`aggregate` with ``cfg.aggregation``.
+
+    Args:
+        cfg: a :class:`LossConfig` subclass instance, or an OmegaConf DictConfig with the same
+            fields (fields are read as attributes; dispatch is on ``cfg.name``).
+        logprobs: [B, T] policy log-probs of the sampled tokens; the only input that receives
+            gradients. Any float dtype: computation is float32 (float64 if this is float64).
+        behaviour_logprobs: [B, T] generator log-probs of the same tokens (detached).
+        advantages: [B] (broadcast over tokens) or [B, T] (detached).
+        mask: [B, T] bool or 0/1; False/0 marks prompt, padding or otherwise ignored tokens.
+        ref_logprobs: [B, T] reference-model log-probs (detached), or None. Required when
+            ``cfg.beta > 0``; when given with beta = 0 it only feeds the KL metrics.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` is a 0-dim float32 tensor (float64 for float64 inputs) to
+        minimise. ``metrics`` maps to python floats, all over unmasked tokens:
+        ``ratio_mean/min/max`` (the ratio the loss uses: r_t, or s_i for GSPO),
+        ``clip_frac_low/high`` (share of tokens whose low/high clip is active, i.e. the
+        clipped branch was taken; CISPO: weight clipped; REINFORCE: weight truncated, high
+        only; SAPO has no hard clip: 0), ``kl_mean/max`` (of the chosen estimator; 0 without
+        ``ref_logprobs``) and ``masked_frac`` (share of the B*T positions that are masked).
+        Some losses add keys: ``clip_frac_dual`` (dual clip active), ``sapo_grad_weight_mean``.
+        With no unmasked token, ratios read 1.0 and the other token metrics 0.0.
+
+    Raises:
+        ValueError: unknown ``cfg.name`` / ``kl_estimator`` / ``aggregation`` (the message
+            names the field), bad parameter values, shapes that do not match [B, T] (or [B]
+            for advantages), an empty batch, or ``beta > 0`` without ``ref_logprobs``.
+        TypeError: inputs that are not tensors.
+    """
+    name = _validate(cfg)
+    _check_2d("logprobs", logprobs)
+    shape = logprobs.shape
+    _check_2d("behaviour_logprobs", behaviour_logprobs, shape)
+    _check_2d("mask", mask, shape)
+    if ref_logprobs is not None:
+        _check_2d("ref_logprobs", ref_logprobs, shape)
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if advantages.shape not in (shape, shape[:1]):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}, expected [B]={tuple(shape[:1])} "
+            f"or [B, T]={tuple(shape)}"
+        )
+    if logprobs.numel() == 0:
+        raise ValueError(f"empty batch: logprobs has shape {tuple(shape)}")
+    beta = float(cfg.beta)
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logprobs (got None); set beta=0 to disable the KL term")
+
+    dtype = _compute_dtype(logprobs.dtype)
+    m = mask if mask.dtype == torch.bool else mask != 0
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    # Zero every input on masked positions before any arithmetic: no inf/nan can leak.
+    lp = torch.where(m, logprobs.to(dtype), zero)
+    old = torch.where(m, behaviour_logprobs.detach().to(dtype), zero)
+    adv = advantages.detach().to(dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1).expand(shape)
+    adv = torch.where(m, adv, zero)
+
+    term = _TERMS[name](cfg, lp, old, adv, m)
+    per_token = term.loss
+    kl = None
+    if ref_logprobs is not None:
+        ref = torch.where(m, ref_logprobs.detach().to(dtype), zero)
+        kl = kl_estimate(lp, ref, cfg.kl_estimator)
+        if beta > 0:
+            per_token = per_token + beta * kl
+    horizon = getattr(cfg, "horizon", None)
+    loss = aggregate(per_token, m, cfg.aggregation, horizon)
+    return loss, _metrics(term, kl, m)
+
+
+def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> dict[str, float]:
+    """Reduce the per-token statistics with one device->host copy."""
+    with torch.no_grad():
+        dtype = term.ratio.dtype
+        n = m.sum()
+        denom = n.clamp(min=1).to(dtype)
+        inf = torch.tensor(float("inf"), dtype=dtype, device=m.device)
+        zero = torch.zeros((), dtype=dtype, device=m.device)
+
+        def frac(flags: Optional[torch.Tensor]) -> torch.Tensor:
+            return zero if flags is None else (flags & m).sum().to(dtype) / denom
+
+        ratio = term.ratio
+        stats = [
+            n.to(dtype),
+            torch.where(m, ratio, zero).sum() / denom,
+            torch.where(m, ratio, inf).amin(),
+            torch.where(m, ratio, -inf).amax(),
+            frac(term.clipped_low),
+            frac(term.clipped_high),
+        ]
+        if kl is not None:
+            kl = kl.detach()
+            stats += [torch.where(m, kl, zero).sum() / denom, torch.where(m, kl, -inf).amax()]
+        else:
+            stats += [zero, zero]
+        extra_keys = list(term.extra)
+        for key in extra_keys:
+            v = term.extra[key]
+            stats.append(frac(v) if v.dtype == torch.bool else torch.where(m, v.to(dtype), zero).sum() / denom)
+        values = torch.stack(stats).tolist()
+
+    count, values = values[0], values[1:]
+    out = dict(zip(("ratio_mean", "ratio_min", "ratio_max", "clip_frac_low", "clip_frac_high",
+                    "kl_mean", "kl_max"), values[:7]))
+    out.update(zip(extra_keys, values[7:]))
+    if count == 0:  # nothing unmasked: neutral values instead of +-inf / NaN
+        out = {k: 0.0 for k in out}
+        out.update(ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
+    out["masked_frac"] = 1.0 - count / m.numel()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards of a group of samples of one prompt become advantages.
+
+    Attributes:
+        estimator: ``"zscore"`` (GRPO, arXiv:2402.03300 sec. 4.1.2), ``"mean"`` (Dr. GRPO,
+            arXiv:2503.20783: no std normalisation) or ``"rloo"`` (leave-one-out baseline,
+            Ahmadian et al., arXiv:2402.14740; Kool et al. 2019).
+        eps: added to the group std by ``zscore``.
+        drop_zero_variance: DAPO's dynamic-sampling filter (arXiv:2503.14476 eq. 11): drop
+            groups whose rewards are all equal (they carry no signal), see
+            :func:`compute_advantages`.
+    """
+
+    estimator: str = "zscore"
+    eps: float = 1e-6
+    drop_zero_variance: bool = False
+
+
+def group_advantages(
+    rewards: torch.Tensor, estimator: str = "zscore", eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages, one scalar per sample.
+
+    For a group of G rewards R_1..R_G of one prompt, mean m and *unbiased* std s (Bessel's
+    G - 1, as ``torch.std``):
+
+    * ``zscore``: A_i = (R_i - m) / (s + eps)        GRPO, arXiv:2402.03300 sec. 4.1.2;
+    * ``mean``:   A_i = R_i - m                       Dr. GRPO, arXiv:2503.20783 sec. 3.2;
+    * ``rloo``:   A_i = R_i - 1/(G-1) sum_{j!=i} R_j = G/(G-1) (R_i - m)
+      (REINFORCE leave-one-out, arXiv:2402.14740 eq. 5).
+
+    A group whose rewards are all exactly equal is flagged ``zero_variance`` and gets
+    advantages exactly 0 with every estimator (DAPO, arXiv:2503.14476: such groups give no
+    gradient). Computed in float64, returned as float32. With G = 1, ``zscore`` and ``mean``
+    return 0 (every group is flagged).
+
+    Args:
+        rewards: [N, G] rewards, N prompts with G samples each (any real dtype, finite).
+        estimator: ``"zscore" | "mean" | "rloo"``.
+        eps: added to the std (``zscore`` only), >= 0.
+
+    Returns:
+        ``(advantages [N, G] float32, zero_variance [N] bool)``, on ``rewards``' device.
+
+    Raises:
+        ValueError: unknown ``estimator`` (names the field), rewards not 2-D or not finite,
+            ``rloo`` with G < 2, or negative ``eps``.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown estimator={estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2:
+        shape = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a [N, G] tensor, got {shape}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    n_groups, group = rewards.shape
+    r = rewards.detach().to(torch.float64)
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("rewards must be finite (found nan or inf)")
+    if group == 0:
+        return r.float(), torch.zeros(n_groups, dtype=torch.bool, device=r.device)
+    zero_variance = (r == r[:, :1]).all(dim=1)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if estimator == "zscore":
+        adv = centred / (r.std(dim=1, keepdim=True) + eps) if group > 1 else torch.zeros_like(r)
+    elif estimator == "mean":
+        adv = centred
+    else:
+        if group < 2:
+            raise ValueError(f"estimator='rloo' needs at least 2 samples per group, got G={group}")
+        adv = centred * (group / (group - 1))
+    adv = torch.where(zero_variance.unsqueeze(1), torch.zeros_like(adv), adv)
+    return adv.float(), zero_variance
+
+
+def compute_advantages(rewards: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Advantages per :class:`AdvantageConfig`, with DAPO's dynamic-sampling filter.
+
+    Args:
+        rewards: [N, G] rewards (N prompts x G samples).
+        cfg: :class:`AdvantageConfig` or a DictConfig with the same fields.
+
+    Returns:
+        ``(advantages [N, G] float32, keep [N] bool, metrics)``. ``keep`` is False for the
+        groups to drop (zero-variance groups when ``cfg.drop_zero_variance``, else all True):
+        train on ``advantages[keep]``. ``metrics``: ``zero_variance_groups`` (count),
+        ``zero_variance_frac`` and ``dropped_groups`` (count), as python floats.
+
+    Raises:
+        ValueError: as :func:`group_advantages`.
+    """
+    adv, zero_variance = group_advantages(rewards, cfg.estimator, float(cfg.eps))
+    keep = ~zero_variance if bool(cfg.drop_zero_variance) else torch.ones_like(zero_variance)
+    n_zero = int(zero_variance.sum())
+    metrics = {
+        "zero_variance_groups": float(n_zero),
+        "zero_variance_frac": n_zero / max(zero_variance.numel(), 1),
+        "dropped_groups": float(int((~keep).sum())),
+    }
+    return adv, keep, metrics
+
