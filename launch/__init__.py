@@ -1,0 +1,1 @@
+"""Launch adapters (local, SLURM through submitit, SkyPilot) and the shared Monarch bootstrap."""

@@ -1,0 +1,497 @@
+"""Turn a launcher's host list into Monarch meshes (shared by the SLURM and SkyPilot adapters).
+
+Every node of an allocation runs one Monarch *worker* (a host agent that spawns procs when the
+controller asks); node 0 additionally runs the *controller*, which attaches to all workers and
+gets back one ``HostMesh`` with a single dimension ``hosts`` in node-rank order::
+
+    node 0:  start_worker_background(c)  ->  await attach(c, timeout_s)  ->  recipe places actors
+    node i:  run_worker(c)                    (blocks until the controller shuts the mesh down)
+
+    c = cluster_from_slurm()  or  cluster_from_sky()   # node_rank, hosts (IPs), port
+
+Facts about torchmonarch 0.7.0 this relies on (measured on two network-namespace hosts):
+
+- Workers: ``monarch.actor.run_worker_loop_until_shutdown(address="tcp://IP:PORT",
+  ca="trust_all_connections")`` (``run_worker_loop_forever`` is the same but the process is
+  killed at shutdown instead of returning). ``tcp://*`` is not implemented, so each worker binds
+  its own routable address. The worker ends when the controller calls ``HostMesh.shutdown()``;
+  if the controller dies instead, the worker stays up and waits for a new controller.
+- Controller: ``enable_transport`` must name an explicit address, ``tcp://CONTROLLER_IP:0``. The
+  ``"tcp"`` shortcut (``TcpWithHostname``) resolves the hostname and *panics* when it resolves only
+  to a loopback address (common: ``/etc/hosts`` maps the hostname to 127.0.x.1); with
+  ``"ipc"`` (the default) remote workers never connect back.
+- ``attach_to_workers(workers=[...], ca="trust_all_connections")`` returns at once and keeps
+  retrying to connect; ``await mesh.initialized`` never fails by itself for a host that is not
+  up, so :func:`attach` probes each worker port and bounds the wait.
+- A per-host sub-mesh is ``mesh.slice(hosts=i)``; procs on it come from
+  ``spawn_procs(per_host={"procs": n})`` and actors from ``procs.spawn(name, ActorClass)``.
+
+Command line (what a launcher runs on each node)::
+
+    python -m launch.bootstrap worker --host 10.0.0.2 [--port 26600]   # explicit address
+    python -m launch.bootstrap worker --from slurm|sky                 # address from the env
+    python -m launch.bootstrap show --from slurm|sky                   # print the Cluster (JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:  # monarch is imported lazily: parsing host lists must not need it
+    from monarch.actor import HostMesh
+
+DEFAULT_PORT = 26600
+PORT_ENV = "FORGE_MONARCH_PORT"
+TRUST_ALL = "trust_all_connections"
+
+
+class WorkerUnreachable(TimeoutError):
+    """Some workers did not come up within the timeout.
+
+    ``hosts`` lists the unreachable host addresses (``"IP:PORT"``) in node-rank order; the message
+    names every one of them.
+    """
+
+    def __init__(self, hosts: Sequence[str], timeout_s: float, detail: str = "") -> None:
+        self.hosts = list(hosts)
+        self.timeout_s = timeout_s
+        msg = (f"Monarch workers not reachable within {timeout_s:g} s: {', '.join(self.hosts)}"
+               + (f" ({detail})" if detail else ""))
+        super().__init__(msg)
+
+
+@dataclass
+class Cluster:
+    """What a launcher knows about its allocation.
+
+    Attributes:
+        node_rank: this node's rank, 0 .. len(hosts) - 1. Rank 0 runs the controller.
+        hosts: node addresses in rank order (IPv4 strings after ``cluster_from_*``; resolvable
+            names also work for :func:`run_worker` and :func:`attach`).
+        port: TCP port of the Monarch worker on every node.
+    """
+
+    node_rank: int
+    hosts: list[str] = field(default_factory=list)
+    port: int = DEFAULT_PORT
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ValueError("Cluster needs at least one host")
+        if not 0 <= self.node_rank < len(self.hosts):
+            raise ValueError(f"node_rank {self.node_rank} outside 0..{len(self.hosts) - 1}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} outside 1..65535")
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes (hosts) in the allocation."""
+        return len(self.hosts)
+
+    @property
+    def is_controller(self) -> bool:
+        """True on node rank 0, which runs the controller (and a worker)."""
+        return self.node_rank == 0
+
+    def worker_addresses(self) -> list[str]:
+        """Monarch channel addresses of all workers, ``tcp://HOST:PORT``, in rank order."""
+        return [f"tcp://{h}:{self.port}" for h in self.hosts]
+
+
+# --------------------------------------------------------------------------- host lists
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist expression (``"gpu-[01-03,7],login1"``) into host names.
+
+    Uses ``scontrol show hostnames`` when it is on PATH (the authority), else a built-in parser
+    that handles comma lists, bracket ranges with zero padding and several bracket groups.
+    Raises ValueError on a malformed expression.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        return []
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            if out:
+                return out
+        except (subprocess.SubprocessError, OSError):
+            pass
+    return _expand_nodelist_py(nodelist)
+
+
+def _split_top_level(s: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in nodelist {s!r}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in nodelist {s!r}")
+    parts.append(cur)
+    return [p for p in parts if p]
+
+
+def _expand_one(expr: str) -> list[str]:
+    m = re.search(r"\[([^\[\]]*)\]", expr)
+    if not m:
+        return [expr]
+    head, tail = expr[: m.start()], expr[m.end():]
+    out = []
+    for item in m.group(1).split(","):
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
+                raise ValueError(f"bad range {item!r} in {expr!r}")
+            width = len(lo)
+            values = [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
+        elif item.isdigit():
+            values = [item]
+        else:
+            raise ValueError(f"bad item {item!r} in {expr!r}")
+        for v in values:
+            out.extend(_expand_one(head + v + tail))
+    return out
+
+
+def _expand_nodelist_py(nodelist: str) -> list[str]:
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist):
+        hosts.extend(_expand_one(part))
+    return hosts
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve(host: str) -> str:
+    """IPv4 address of ``host`` (returned unchanged when it is already an IPv4 literal).
+
+    Raises OSError (socket.gaierror) when the name does not resolve.
+    """
+    try:
+        ipaddress.IPv4Address(host)
+        return host
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    return infos[0][4][0]
+
+
+def local_ip_for(host: str) -> str:
+    """The local IPv4 address this machine uses to reach ``host`` (its routing source address).
+
+    No packet is sent (a UDP socket is only connected). For ``host`` equal to one of this
+    machine's own addresses, that address is returned. This is the address a worker binds and the
+    controller advertises: a routable TCP address, never a unix socket.
+    Raises OSError when ``host`` does not resolve or no route leads to it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((resolve(host), 9))
+        return s.getsockname()[0]
+
+
+def _resolve_hosts(names: Sequence[str], node_rank: int) -> list[str]:
+    """Resolve names to IPs; if this node's own name maps to loopback (Debian's 127.0.1.1
+    /etc/hosts line), replace it with the address this node uses to reach the others."""
+    if not 0 <= node_rank < len(names):
+        raise ValueError(f"node_rank {node_rank} outside 0..{len(names) - 1} for hosts {list(names)}")
+    ips = [resolve(n) for n in names]
+    if _is_loopback(ips[node_rank]) and len(ips) > 1:
+        others = [ip for i, ip in enumerate(ips) if i != node_rank and not _is_loopback(ip)]
+        if others:
+            ips[node_rank] = local_ip_for(others[0])
+    return ips
+
+
+def _port_from_env(env: Mapping[str, str], port: int | None) -> int:
+    return int(port if port is not None else env.get(PORT_ENV, DEFAULT_PORT))
+
+
+def cluster_from_slurm(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
+    """The Cluster of the current SLURM job step (one task per node, e.g. submitit's
+    ``tasks_per_node=1``; with more tasks per node only local rank 0 should run a worker).
+
+    Reads ``SLURM_NODEID`` (what ``submitit.JobEnvironment().node`` reports) and
+    ``SLURM_JOB_NODELIST`` (or ``SLURM_STEP_NODELIST``/``SLURM_NODELIST``), expands the list with
+    ``scontrol show hostnames`` and resolves every name to an IPv4 address. The port is
+    ``port``, else ``$FORGE_MONARCH_PORT``, else 26600.
+    Raises KeyError when not inside a SLURM job, OSError when a node name does not resolve.
+    """
+    env = os.environ if env is None else env
+    if "SLURM_NODEID" not in env:
+        raise KeyError("SLURM_NODEID is not set: not running inside a SLURM job step")
+    nodelist = next((env[k] for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+                                      "SLURM_NODELIST") if env.get(k)), None)
+    if nodelist is None:
+        raise KeyError("SLURM_JOB_NODELIST is not set: not running inside a SLURM job")
+    names = expand_nodelist(nodelist)
+    rank = int(env["SLURM_NODEID"])
+    return Cluster(node_rank=rank, hosts=_resolve_hosts(names, rank),
+                   port=_port_from_env(env, port))
+
+
+def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
+    """The Cluster of the current SkyPilot task.
+
+    Reads ``SKYPILOT_NODE_RANK`` and ``SKYPILOT_NODE_IPS`` (newline-separated, rank order; a
+    missing IP list means a single node, this one). The port is ``port``, else
+    ``$FORGE_MONARCH_PORT``, else 26600.
+    Raises KeyError when ``SKYPILOT_NODE_RANK`` is not set, ValueError when
+    ``SKYPILOT_NUM_NODES`` disagrees with the IP list.
+    """
+    env = os.environ if env is None else env
+    if "SKYPILOT_NODE_RANK" not in env:
+        raise KeyError("SKYPILOT_NODE_RANK is not set: not running inside a SkyPilot task")
+    rank = int(env["SKYPILOT_NODE_RANK"])
+    ips = [line.strip() for line in env.get("SKYPILOT_NODE_IPS", "").splitlines() if line.strip()]
+    if not ips:
+        ips = ["127.0.0.1"]  # single node: controller and worker share this machine
+    n = env.get("SKYPILOT_NUM_NODES")
+    if n is not None and int(n) != len(ips):
+        raise ValueError(f"SKYPILOT_NUM_NODES={n} but SKYPILOT_NODE_IPS lists {len(ips)} IPs")
+    return Cluster(node_rank=rank, hosts=_resolve_hosts(ips, rank), port=_port_from_env(env, port))
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def worker_address(cluster: Cluster) -> str:
+    """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials.
+
+    MY_IP is ``hosts[node_rank]`` when it is a non-loopback address, else the local address used
+    to reach another node. Raises OSError when that cannot be determined.
+    """
+    me = resolve(cluster.hosts[cluster.node_rank])
+    if _is_loopback(me) and cluster.num_nodes > 1:
+        me = local_ip_for(cluster.hosts[1 if cluster.node_rank == 0 else 0])
+    return f"tcp://{me}:{cluster.port}"
+
+
+def run_worker(cluster: Cluster) -> None:
+    """Run this node's Monarch worker; blocks until the controller shuts the host mesh down.
+
+    Then it returns normally (``run_worker_loop_until_shutdown``), so a submitit task ends with
+    a result instead of being killed. If the controller disconnects without a shutdown, the
+    worker keeps waiting for a new controller (bound the job with a time limit).
+    Raises OSError when this node's address cannot be found; Monarch raises (or panics) when the
+    address cannot be bound, e.g. the port is taken.
+    """
+    from monarch.actor import run_worker_loop_until_shutdown
+
+    run_worker_loop_until_shutdown(address=worker_address(cluster), ca=TRUST_ALL)
+
+
+try:  # resolved up front: the child between fork and exec must not import anything
+    import ctypes
+
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux/glibc: no parent-death signal
+    _PRCTL = None
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+def start_worker_background(cluster: Cluster, *, python: str = sys.executable,
+                            env: Mapping[str, str] | None = None,
+                            log_path: str | None = None) -> subprocess.Popen:
+    """Start this node's worker in a child process (node rank 0 runs it next to the controller).
+
+    The child runs ``python -m launch.bootstrap worker --host MY_IP --port PORT`` with the
+    repository root on PYTHONPATH, gets SIGTERM when this process dies (PR_SET_PDEATHSIG) and
+    writes to ``log_path`` (default: inherit stdout/stderr). It exits when the controller shuts
+    the mesh down; to abandon it, ``proc.terminate(); proc.wait()``. Returns at once (the worker
+    needs about 1-2 s to import Monarch; :func:`attach` waits for it).
+    Raises OSError when the interpreter cannot be started.
+    """
+    host = worker_address(cluster)[len("tcp://"):].rsplit(":", 1)[0]
+    child_env = dict(os.environ if env is None else env)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, child_env.get("PYTHONPATH", "")) if p)
+    out = open(log_path, "ab") if log_path else None
+    try:
+        return subprocess.Popen(
+            [python, "-m", "launch.bootstrap", "worker", "--host", host,
+             "--port", str(cluster.port)],
+            env=child_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            preexec_fn=_set_pdeathsig)
+    finally:
+        if out:
+            out.close()
+
+
+# --------------------------------------------------------------------------- controller side
+
+
+async def _probe(host: str, port: int, deadline: float, interval_s: float = 0.25) -> bool:
+    """True once a TCP connection to host:port succeeds before ``deadline`` (monotonic s)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                               timeout=min(2.0, left))
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+            return True
+        except (OSError, asyncio.TimeoutError):
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+
+
+def enable_tcp_transport(cluster: Cluster) -> str:
+    """Make this process's Monarch client listen on TCP at the address that reaches the workers.
+
+    Must run before any other Monarch call in the process (Monarch's rule); calling it again
+    with the same address is a no-op. Returns the bind spec, ``tcp://CONTROLLER_IP:0``.
+    Raises OSError when no route reaches ``hosts[0]``; Monarch raises when a different transport
+    was already enabled.
+    """
+    from monarch.actor import enable_transport
+
+    # The address this process uses to reach a worker: for rank 0 its own IP.
+    spec = f"tcp://{local_ip_for(cluster.hosts[0])}:0"
+    enable_transport(spec)
+    return spec
+
+
+async def attach(cluster: Cluster, timeout_s: float = 120.0, *,
+                 name: str | None = None) -> "HostMesh":
+    """Attach the controller (this process) to every worker; return the initialized HostMesh.
+
+    The mesh has one dimension ``hosts`` of size ``cluster.num_nodes`` in rank order (use
+    :func:`host_slice`). Workers may start before or after this call; it waits up to
+    ``timeout_s`` seconds (wall clock) for every worker port to accept TCP, then up to the rest of
+    the budget for Monarch to initialize the mesh. Call ``await mesh.shutdown()`` when done: that
+    ends every worker process.
+
+    Raises:
+        WorkerUnreachable (a TimeoutError): some workers were not up within ``timeout_s``; the
+            message names each as ``IP:PORT``. Workers that were up are shut down first (so their
+            jobs end), taking at most a few seconds more; no process is left behind by this call.
+        OSError: ``hosts[0]`` has no route from here.
+    """
+    from monarch.actor import attach_to_workers
+
+    deadline = time.monotonic() + timeout_s
+    enable_tcp_transport(cluster)
+    up = await asyncio.gather(*(_probe(h, cluster.port, deadline) for h in cluster.hosts))
+    missing = [f"{h}:{cluster.port}" for h, ok in zip(cluster.hosts, up) if not ok]
+    if missing:
+        live = [a for a, ok in zip(cluster.worker_addresses(), up) if ok]
+        if live:
+            await _release(live)
+        raise WorkerUnreachable(missing, timeout_s)
+
+    mesh = attach_to_workers(workers=cluster.worker_addresses(), ca=TRUST_ALL, name=name)
+    try:
+        await asyncio.wait_for(_await(mesh.initialized),
+                               timeout=max(1.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise WorkerUnreachable([f"{h}:{cluster.port}" for h in cluster.hosts], timeout_s,
+                                "ports open but the host mesh did not initialize; "
+                                "see /tmp/$USER/monarch_log.log") from None
+    return mesh
+
+
+async def _await(fut):  # wrap a monarch Future for asyncio.wait_for
+    return await fut
+
+
+async def _release(addresses: list[str], grace_s: float = 5.0) -> None:
+    """Attach to live workers and shut them down so they exit; bounded by grace_s seconds."""
+    from monarch.actor import attach_to_workers
+
+    try:
+        mesh = attach_to_workers(workers=addresses, ca=TRUST_ALL, name="release")
+        await asyncio.wait_for(_await(mesh.initialized), timeout=grace_s)
+        await asyncio.wait_for(_await(mesh.shutdown()), timeout=grace_s)
+    except Exception:  # best effort: the error that matters is the unreachable host
+        pass
+
+
+def host_slice(mesh: "HostMesh", i: int) -> "HostMesh":
+    """The sub-mesh of node ``i`` (a HostMesh with the ``hosts`` dimension removed).
+
+    Spawn on it with ``host_slice(mesh, i).spawn_procs(per_host={"procs": n})``. A slice is a
+    reference: shut down the full mesh, not the slice. Raises IndexError for i outside
+    0..num_hosts-1.
+    """
+    return mesh.slice(hosts=i)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _cluster_from(kind: str) -> Cluster:
+    if kind == "slurm":
+        return cluster_from_slurm()
+    if kind == "sky":
+        return cluster_from_sky()
+    raise ValueError(f"unknown launcher {kind!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``worker`` runs a worker (blocks), ``show`` prints the Cluster as JSON."""
+    p = argparse.ArgumentParser(prog="python -m launch.bootstrap", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="run this node's Monarch worker until shut down")
+    w.add_argument("--host", help="address to bind (this node's IP)")
+    w.add_argument("--port", type=int, default=None, help=f"worker port (default {DEFAULT_PORT})")
+    w.add_argument("--from", dest="source", choices=["slurm", "sky"],
+                   help="take node rank, hosts and port from the launcher's environment")
+    s = sub.add_parser("show", help="print the Cluster seen from the environment")
+    s.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
+    a = p.parse_args(argv)
+    if a.cmd == "show":
+        print(json.dumps(asdict(_cluster_from(a.source))))
+        return 0
+    if a.source:
+        c = _cluster_from(a.source)
+        if a.port:
+            c.port = a.port
+    elif a.host:
+        c = Cluster(node_rank=0, hosts=[a.host], port=a.port or int(os.environ.get(PORT_ENV, DEFAULT_PORT)))
+    else:
+        p.error("worker needs --host or --from")
+    print(f"[bootstrap] worker {worker_address(c)} (node {c.node_rank}/{c.num_nodes})", flush=True)
+    run_worker(c)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""launch.bootstrap: host-list parsing (fast) and real multi-host Monarch meshes (slow, root).
+
+The slow tests fake two hosts with network namespaces (cluster/dev/netns.sh): fr-node1 at
+10.77.0.11 and fr-node2 at 10.77.0.12, each with its own hostname, the root namespace at
+10.77.0.1. Monarch controllers run in a subprocess (``python -c "import test_bootstrap; ..."``)
+so the pytest process never fixes a Monarch transport for other tests; the actor classes below
+live in this module, which workers import through PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from launch import bootstrap as bs  # noqa: E402
+
+NETNS = ROOT / "cluster" / "dev" / "netns.sh"
+PY = sys.executable
+NODE_IPS = ["10.77.0.11", "10.77.0.12"]
+PORT = 26611  # inside the namespaces only
+
+
+# --------------------------------------------------------------------------- fast: parsing
+
+
+def test_cluster_from_sky_parses_rank_and_ips():
+    env = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.1.0.4\n10.1.0.5\n",
+           "SKYPILOT_NUM_NODES": "2"}
+    c = bs.cluster_from_sky(env)
+    assert (c.node_rank, c.hosts, c.port) == (1, ["10.1.0.4", "10.1.0.5"], bs.DEFAULT_PORT)
+    assert c.worker_addresses() == ["tcp://10.1.0.4:26600", "tcp://10.1.0.5:26600"]
+    assert not c.is_controller and c.num_nodes == 2
+    assert bs.cluster_from_sky({**env, "FORGE_MONARCH_PORT": "29000"}).port == 29000
+    assert bs.cluster_from_sky(env, port=1234).port == 1234
+
+
+def test_cluster_from_sky_single_node_and_errors():
+    c = bs.cluster_from_sky({"SKYPILOT_NODE_RANK": "0"})
+    assert c.hosts == ["127.0.0.1"] and c.is_controller
+    with pytest.raises(KeyError, match="SKYPILOT_NODE_RANK"):
+        bs.cluster_from_sky({})
+    with pytest.raises(ValueError, match="SKYPILOT_NUM_NODES"):
+        bs.cluster_from_sky({"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "10.0.0.1",
+                             "SKYPILOT_NUM_NODES": "2"})
+    with pytest.raises(ValueError, match="node_rank"):
+        bs.cluster_from_sky({"SKYPILOT_NODE_RANK": "3", "SKYPILOT_NODE_IPS": "10.0.0.1"})
+
+
+@pytest.mark.parametrize("expr,expected", [
+    ("node1", ["node1"]),
+    ("node[1-3]", ["node1", "node2", "node3"]),
+    ("gpu-[01-02,7],login1", ["gpu-01", "gpu-02", "gpu-7", "login1"]),
+    ("a[1-2]-b[3-4]", ["a1-b3", "a1-b4", "a2-b3", "a2-b4"]),
+])
+def test_expand_nodelist_python_parser(expr, expected):
+    assert bs._expand_nodelist_py(expr) == expected
+
+
+def test_expand_nodelist_rejects_malformed():
+    with pytest.raises(ValueError):
+        bs._expand_nodelist_py("node[1-3")
+    with pytest.raises(ValueError):
+        bs._expand_nodelist_py("node[3-1]")
+
+
+def test_cluster_from_slurm_parses_env(monkeypatch):
+    # Names resolve through the resolver; IP literals pass through unchanged.
+    monkeypatch.setattr(bs, "resolve", lambda h: {"n1": "10.9.0.1", "n2": "10.9.0.2"}.get(h, h))
+    monkeypatch.setattr(bs, "expand_nodelist", bs._expand_nodelist_py)
+    env = {"SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    c = bs.cluster_from_slurm(env)
+    assert (c.node_rank, c.hosts, c.port) == (1, ["10.9.0.1", "10.9.0.2"], 26600)
+    with pytest.raises(KeyError, match="SLURM_NODEID"):
+        bs.cluster_from_slurm({"SLURM_JOB_NODELIST": "n1"})
+    with pytest.raises(KeyError, match="NODELIST"):
+        bs.cluster_from_slurm({"SLURM_NODEID": "0"})
+
+
+def test_cluster_from_slurm_replaces_own_loopback(monkeypatch):
+    # Debian maps a host's own name to 127.0.1.1: this node must bind a routable address.
+    monkeypatch.setattr(bs, "resolve", lambda h: {"n1": "127.0.1.1", "n2": "127.0.0.1"}.get(h, h))
+    monkeypatch.setattr(bs, "expand_nodelist", bs._expand_nodelist_py)
+    c = bs.cluster_from_slurm({"SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1,10.9.0.2"})
+    assert c.hosts[1] == "10.9.0.2" and not c.hosts[0].startswith("127.")
+
+
+def test_local_ip_for_loopback():
+    assert bs.local_ip_for("127.0.0.1") == "127.0.0.1"
+    c = bs.Cluster(node_rank=0, hosts=["127.0.0.1"], port=30000)
+    assert bs.worker_address(c) == "tcp://127.0.0.1:30000"
+
+
+# --------------------------------------------------------------------------- actors (slow tests)
+
+try:
+    from monarch.actor import Actor, endpoint
+except ImportError:  # pragma: no cover - the fast tests do not need Monarch
+    Actor = object
+
+    def endpoint(f):
+        return f
+
+
+class HostInfo(Actor):
+    """Reports where it runs."""
+
+    @endpoint
+    def where(self) -> dict:
+        ips = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+        return {"hostname": socket.gethostname(), "ips": ips, "pid": os.getpid()}
+
+
+class WeightHolder(Actor):
+    """Owns a tensor (the trainer side) and exposes it as an RDMABuffer."""
+
+    @endpoint
+    def publish(self, numel: int, seed: int):
+        import torch
+        from monarch.rdma import RDMABuffer
+
+        g = torch.Generator().manual_seed(seed)
+        self.t = torch.randn(numel, generator=g, dtype=torch.float32)
+        self.buf = RDMABuffer(self.t.view(torch.uint8))
+        return self.buf, hashlib.sha256(self.t.numpy().tobytes()).hexdigest()
+
+
+class WeightReader(Actor):
+    """Pulls a remote RDMABuffer into local memory (the generator side)."""
+
+    @endpoint
+    async def pull(self, buf, numel: int):
+        import torch
+
+        dst = torch.zeros(numel, dtype=torch.float32)
+        t0 = time.perf_counter()
+        await buf.read_into(dst.view(torch.uint8))
+        dt = time.perf_counter() - t0
+        return hashlib.sha256(dst.numpy().tobytes()).hexdigest(), dt
+
+
+def _values(value_mesh) -> list:
+    return [v for _, v in value_mesh.items()]
+
+
+def _controller_mesh(hosts: list[str], port: int, numel: int) -> dict:
+    """Controller in a subprocess: attach, one HostInfo per host, RDMA node1 -> node2."""
+    import asyncio
+
+    async def go() -> dict:
+        t0 = time.perf_counter()
+        cluster = bs.Cluster(node_rank=0, hosts=hosts, port=port)
+        mesh = await bs.attach(cluster, timeout_s=60)
+        out: dict = {"attach_s": time.perf_counter() - t0, "where": []}
+        try:
+            procs = [bs.host_slice(mesh, i).spawn_procs(per_host={"procs": 1})
+                     for i in range(len(hosts))]
+            for pm in procs:
+                info = pm.spawn("info", HostInfo)
+                out["where"] += _values(await info.where.call())
+            holder = procs[0].spawn("holder", WeightHolder)
+            reader = procs[1].spawn("reader", WeightReader)
+            (buf, sha_src), = _values(await holder.publish.call(numel, 1234))
+            (sha_dst, dt), = _values(await reader.pull.call(buf, numel))
+            out.update(sha_src=sha_src, sha_dst=sha_dst, rdma_s=dt, bytes=numel * 4)
+        finally:
+            await mesh.shutdown()
+        out["total_s"] = time.perf_counter() - t0
+        return out
+
+    return asyncio.run(go())
+
+
+def _controller_missing_host(hosts: list[str], port: int, timeout_s: float) -> dict:
+    """Controller as node rank 0 with a background worker; hosts[1] never comes up."""
+    import asyncio
+
+    cluster = bs.Cluster(node_rank=0, hosts=hosts, port=port)
+    worker = bs.start_worker_background(cluster)
+    t0 = time.perf_counter()
+    err = None
+    try:
+        asyncio.run(bs.attach(cluster, timeout_s=timeout_s))
+    except bs.WorkerUnreachable as e:
+        err = {"type": type(e).__name__, "msg": str(e), "hosts": e.hosts,
+               "is_timeout": isinstance(e, TimeoutError)}
+    elapsed = time.perf_counter() - t0
+    try:  # attach released the live worker: it must exit by itself
+        worker_rc = worker.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker_rc = "still running"
+    return {"error": err, "elapsed_s": elapsed, "worker_rc": worker_rc}
+
+
+# --------------------------------------------------------------------------- slow: fixtures
+
+def _need_root_netns():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
+        pytest.skip("needs iproute2 (ip) and util-linux (nsenter, unshare)")
+    try:
+        import monarch.actor  # noqa: F401
+    except ImportError:
+        pytest.skip("torchmonarch is not installed")
+
+
+def _ns_exists(i: int) -> bool:
+    return Path(f"/var/run/netns/fr-node{i}").exists()
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """fr-node1 and fr-node2; created here (and removed at the end) unless they already exist."""
+    _need_root_netns()
+    created = not (_ns_exists(1) and _ns_exists(2))
+    if created:
+        subprocess.run([str(NETNS), "up", "2"], check=True, capture_output=True)
+    yield NODE_IPS
+    if created:
+        subprocess.run([str(NETNS), "down"], check=False, capture_output=True)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _in_ns(i: int, cmd: str) -> list[str]:
+    """Run cmd in namespace fr-node<i> with hostname node<i> (like slurmd in cluster/dev)."""
+    return ["nsenter", f"--net=/var/run/netns/fr-node{i}", "unshare", "--uts",
+            "sh", "-c", f"hostname node{i} && exec {cmd}"]
+
+
+def _run_controller(i: int | None, call: str, timeout: float = 180) -> dict:
+    code = (f"import json, test_bootstrap as t; r = t.{call}; "
+            "print('RESULT ' + json.dumps(r))")
+    cmd = [PY, "-c", code]
+    if i is not None:
+        cmd = _in_ns(i, shlex.join(cmd))
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"controller failed rc={p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _ns_pids(i: int) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", f"fr-node{i}"], capture_output=True,
+                          text=True).stdout.split()
+
+
+def _wait_no_pids(i: int, timeout_s: float = 15) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (pids := _ns_pids(i)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
+# --------------------------------------------------------------------------- slow: tests
+
+
+@pytest.mark.slow
+def test_attach_two_hosts_actors_and_rdma(two_hosts, tmp_path):
+    # Only our processes may live in the namespaces for the "nothing left behind" check.
+    if _ns_pids(1) or _ns_pids(2):
+        pytest.skip("fr-node1/fr-node2 already run processes (is the dev SLURM cluster up?)")
+    workers = []
+    for i, ip in ((1, NODE_IPS[0]), (2, NODE_IPS[1])):
+        with open(tmp_path / f"worker{i}.log", "wb") as log:
+            workers.append(subprocess.Popen(
+                _in_ns(i, f"{PY} -m launch.bootstrap worker --host {ip} --port {PORT}"),
+                env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        numel = 4 * 1024 * 1024  # 16 MiB of float32
+        r = _run_controller(
+            None, f"_controller_mesh({NODE_IPS!r}, {PORT}, {numel})")
+        print(f"\nattach {r['attach_s']:.2f}s, total {r['total_s']:.2f}s, RDMA {r['bytes'] / 2**20:.0f} "
+              f"MiB in {r['rdma_s']:.3f}s ({r['bytes'] / r['rdma_s'] / 1e9:.2f} GB/s)")
+        where = r["where"]
+        assert [w["hostname"] for w in where] == ["node1", "node2"]
+        assert NODE_IPS[0] in where[0]["ips"] and NODE_IPS[1] in where[1]["ips"]
+        assert r["sha_src"] == r["sha_dst"], "tensor changed in transit"
+        # mesh.shutdown() ends the workers and their procs.
+        for w in workers:
+            assert w.wait(timeout=20) is not None
+        assert _wait_no_pids(1) == [] and _wait_no_pids(2) == []
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+
+
+@pytest.mark.slow
+def test_attach_names_host_that_never_comes_up(two_hosts):
+    if _ns_pids(1) or _ns_pids(2):
+        pytest.skip("fr-node1/fr-node2 already run processes (is the dev SLURM cluster up?)")
+    timeout_s = 6.0
+    # Controller runs as node rank 0 inside fr-node1 with its own background worker; node2
+    # (10.77.0.12) never starts a worker.
+    r = _run_controller(1, f"_controller_missing_host({NODE_IPS!r}, {PORT}, {timeout_s})",
+                        timeout=90)
+    print(f"\nmissing host: raised after {r['elapsed_s']:.2f}s (timeout {timeout_s}s): {r['error']}")
+    err = r["error"]
+    assert err is not None, "attach did not fail"
+    assert err["is_timeout"] and err["type"] == "WorkerUnreachable"
+    assert f"{NODE_IPS[1]}:{PORT}" in err["msg"] and NODE_IPS[0] not in err["msg"]
+    assert err["hosts"] == [f"{NODE_IPS[1]}:{PORT}"]
+    assert timeout_s <= r["elapsed_s"] < timeout_s + 10, r
+    assert r["worker_rc"] != "still running", "the reachable worker was not released"
+    assert _wait_no_pids(1) == [] and _wait_no_pids(2) == []
