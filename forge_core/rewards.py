@@ -1,0 +1,119 @@
+"""GSM8K answer extraction and reward functions.
+
+Two extraction modes, as in lm-evaluation-harness' ``gsm8k`` task (strict-match / flexible-extract):
+
+- ``strict``: the number after the last ``####`` marker (the format GSM8K's own solutions use);
+- ``flexible``: the last number anywhere in the text.
+
+Both normalise a number the same way: thousands separators (``1,234``), currency signs
+(``$``, ``€``, ``£``), a trailing period, a unicode minus, ``+`` signs, and decimals are
+canonicalised so that ``$1,200.00`` and ``1200`` compare equal.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Optional
+
+# A number as models and GSM8K write it: optional sign and currency sign, digits with optional
+# thousands separators, optional decimal part; or a bare decimal like ".5".
+_NUM = r"[-+\u2212]?\s*[$€£]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+\u2212]?\s*[$€£]?\s*\.\d+"
+_NUM_RE = re.compile(_NUM)
+_STRICT_RE = re.compile(r"####\s*(" + _NUM + r")")
+
+MODES = ("strict", "flexible")
+
+
+def normalize_number(text: str) -> Optional[str]:
+    """Canonical string for a number written in free text, or ``None`` if it is not one.
+
+    ``"$1,234.50"`` -> ``"1234.5"``, ``"-3."`` -> ``"-3"``, ``"\u22127"`` -> ``"-7"``,
+    ``"12.000"`` -> ``"12"``, ``"+4"`` -> ``"4"``, ``"0.50"`` -> ``"0.5"``.
+    """
+    s = text.strip().replace("\u2212", "-").replace(",", "").replace(" ", "")
+    s = s.replace("$", "").replace("€", "").replace("£", "").rstrip(".")
+    if s.startswith("+"):
+        s = s[1:]
+    if not s or s in "-.":
+        return None
+    try:
+        d = Decimal(s)
+    except InvalidOperation:
+        return None
+    if not d.is_finite():
+        return None
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def extract_answer(text: str, mode: str = "strict") -> Optional[str]:
+    """The normalised final answer in a model response, or ``None`` if there is none.
+
+    Args:
+        text: the response text.
+        mode: ``"strict"`` (number after the last ``####``) or ``"flexible"`` (last number).
+    Raises:
+        ValueError: for an unknown ``mode``.
+    """
+    if mode == "strict":
+        matches = _STRICT_RE.findall(text)
+    elif mode == "flexible":
+        matches = _NUM_RE.findall(text)
+    else:
+        raise ValueError(f"reward.mode must be one of {MODES}, got {mode!r}")
+    for m in reversed(matches):  # the last parseable one
+        n = normalize_number(m)
+        if n is not None:
+            return n
+    return None
+
+
+def format_reward(text: str) -> float:
+    """1.0 if the response ends its reasoning with a parseable ``#### N`` line, else 0.0."""
+    return 1.0 if extract_answer(text, "strict") is not None else 0.0
+
+
+@dataclass
+class RewardConfig:
+    """How a response is scored.
+
+    Attributes:
+        mode: answer extraction for correctness, ``"strict"`` or ``"flexible"``.
+        correct: reward for a correct final answer.
+        format_weight: added reward for a well-formed ``#### N`` answer line (format reward).
+    """
+
+    mode: str = "strict"
+    correct: float = 1.0
+    format_weight: float = 0.2
+
+
+@dataclass
+class Score:
+    """One response's reward and its parts (``reward = correct * cfg.correct + formatted * cfg.format_weight``)."""
+
+    reward: float
+    correct: bool
+    formatted: bool
+
+
+def gsm8k_reward(response: str, target: str, cfg: RewardConfig) -> Score:
+    """Score a response against a GSM8K target answer.
+
+    Args:
+        response: the generated text.
+        target: the reference answer (any format :func:`normalize_number` accepts).
+        cfg: the :class:`RewardConfig` (or a DictConfig with its fields).
+    Raises:
+        ValueError: if ``target`` is not a number, or ``cfg.mode`` is unknown.
+    """
+    gold = normalize_number(target)
+    if gold is None:
+        raise ValueError(f"GSM8K target answer is not a number: {target!r}")
+    pred = extract_answer(response, cfg.mode)
+    correct = pred is not None and pred == gold
+    formatted = format_reward(response) > 0
+    return Score(reward=cfg.correct * correct + cfg.format_weight * formatted, correct=correct, formatted=formatted)

@@ -1,0 +1,143 @@
+"""Run a recipe on this machine: ``python -m launch.local run|eval|check RECIPE [overrides ...]``.
+
+``make run`` and ``make eval`` call this. Every actor runs in its own local process. The config
+is composed and checked, and a pre-flight check (GPU, model and data sources) runs, before any
+actor starts, so a wrong key or an impossible recipe fails in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+
+class PreflightError(RuntimeError):
+    """The recipe cannot run here; the message lists every reason."""
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def preflight(cfg: Any) -> None:
+    """Fail fast, naming every reason, if the recipe cannot run on this machine.
+
+    Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
+    model from the hub needs hub access (or ``model.path`` = a local dir); a gated model needs
+    ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``).
+    Raises:
+        PreflightError: listing the reasons.
+    """
+    import torch
+
+    from forge_core.models import spec_of
+
+    reasons = []
+    if cfg.device == "cuda":
+        need = cfg.layout.gpus_per_node
+        have = torch.cuda.device_count()
+        if have < max(need, 1):
+            reasons.append(f"recipe {cfg.recipe} needs device=cuda with {need} GPU(s) per node "
+                           f"(layout: {cfg.layout.nodes} node(s)); this machine has {have}")
+    spec = spec_of(cfg.model.name)
+    hub = None
+    if spec.source == "hf" and spec.config is None:
+        path = cfg.model.path or spec.path
+        if not os.path.isdir(path):
+            if spec.gated and not os.environ.get("HF_TOKEN"):
+                reasons.append(f"model {path} is gated: set HF_TOKEN (SkyPilot: --secret HF_TOKEN)")
+            hub = _hub_reachable()
+            if not hub:
+                reasons.append(f"model weights {path} come from the HF hub, which is not reachable from here: "
+                               f"set model.path=/local/copy, or model.init=random for same-shape random weights "
+                               f"(the config still needs the hub or a local copy)")
+    if not cfg.data.dir:
+        if hub is None:
+            hub = _hub_reachable()
+        if not hub:
+            reasons.append(f"GSM8K comes from the HF hub ({cfg.data.hub_id}), which is not reachable: "
+                           f"set GSM8K_DIR=/path/to/gsm8k or data.dir=... (train.jsonl, test.jsonl)")
+    elif not os.path.isdir(cfg.data.dir):
+        reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) is not a directory")
+    if reasons:
+        raise PreflightError("cannot run here:\n  - " + "\n  - ".join(reasons))
+
+
+def run_dir(cfg: Any) -> str:
+    """``<output_dir>/<run_id>``; a new timestamped run id when ``run_id`` is empty."""
+    rid = cfg.run_id or time.strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(os.path.join(cfg.output_dir, rid))
+
+
+async def _run(cfg: Any, out: str, hosts: Any = None) -> dict:
+    from forge_core.controller import Controller
+
+    return await Controller(cfg, out, hosts=hosts).run()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point; returns the exit code (2 for config/pre-flight errors)."""
+    p = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["run", "eval", "check"])
+    p.add_argument("recipe", help="recipe name under recipes/ or a path to a recipe folder")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.lr=1e-6 steps=5 loss=dapo")
+    p.add_argument("--ckpt", default=None, help="eval: an HF checkpoint directory (default: the base model)")
+    a = p.parse_args(argv)
+
+    from forge_core.config import ConfigError, load_config
+    from forge_core.data import DataError
+    from forge_core.models import ModelSourceError
+
+    try:
+        cfg = load_config(a.recipe, a.overrides)
+        preflight(cfg)
+    except (ConfigError, PreflightError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.command == "check":
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    try:
+        if a.command == "eval":
+            from forge_core.evaluate import evaluate
+
+            import torch
+
+            torch.set_num_threads(os.cpu_count() or 1)
+            res = evaluate(cfg, a.ckpt)
+            print(json.dumps(res, indent=2))
+            if a.ckpt:
+                with open(os.path.join(a.ckpt, "eval.json"), "w") as f:
+                    json.dump(res, f, indent=2)
+            return 0
+        out = run_dir(cfg)
+        print(f"run directory: {out}", flush=True)
+        row = asyncio.run(_run(cfg, out))
+        print(json.dumps({k: row[k] for k in ("step", "reward_mean", "accuracy", "loss", "elapsed_s") if k in row}))
+        print(f"metrics: {out}/metrics.jsonl  plot: {out}/reward.png  final checkpoint: {out}/final")
+        return 0
+    except (DataError, ModelSourceError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: actors stopped; checkpoints and metrics written so far are intact", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
