@@ -43,6 +43,8 @@ class GeneratorConfig:
         temperature: sampling temperature (logprobs are of the tempered distribution).
         top_p: nucleus sampling; 1.0 keeps the behaviour logprobs exact.
         gpu_memory_utilization: vLLM's KV-cache share of GPU memory.
+        dtype: the generator's (and reference model's) weight dtype; the trainer's fp32 master
+            weights are cast to it when published.
     """
 
     backend: str = "hf"
@@ -52,6 +54,7 @@ class GeneratorConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.5
+    dtype: str = "bfloat16"
 
 
 @dataclass
@@ -169,7 +172,7 @@ def register() -> None:
 def _check(cfg: DictConfig, where: str) -> None:
     choices = {
         "generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"),
-        "trainer.compute_dtype": ("bfloat16", "float32"), "reward.mode": ("strict", "flexible"),
+        "trainer.compute_dtype": ("bfloat16", "float32"), "generator.dtype": ("bfloat16", "float32"), "reward.mode": ("strict", "flexible"),
         "model.init": ("pretrained", "random"),
     }
     for key, allowed in choices.items():

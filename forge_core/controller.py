@@ -22,18 +22,20 @@ flight, sync done), so a resumed run sees exactly the batch the uninterrupted ru
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from forge_core.actors.generator import Generator
+from forge_core.actors.placement import Placement
 from forge_core.actors.reference import Reference
 from forge_core.actors.replay_buffer import ReplayBufferActor
 from forge_core.actors.reward import RewardActor
@@ -58,6 +60,7 @@ class Services:
     trainer: Any
     buffer: Any
     procs: list
+    by_name: dict = field(default_factory=dict)  # service name -> its proc mesh
 
 
 def _host_for(hosts: Any, index: int):
@@ -80,9 +83,12 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     plain = OmegaConf.to_container(cfg, resolve=True)
     procs = []
 
+    by_name = {}
+
     def spawn(name: str, host_index: int, cls, *args):
         p = _host_for(hosts, host_index).spawn_procs(per_host={"procs": 1})
         procs.append(p)
+        by_name[name] = p
         return p.spawn(name, cls, *args)
 
     gen = spawn("generator", cfg.layout.generator.host, Generator, plain)
@@ -90,7 +96,20 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     trainer = spawn("trainer", cfg.layout.trainer.host, Trainer, plain)
     reward = spawn("reward", 0, RewardActor, plain["reward"])
     buf = spawn("replay_buffer", 0, ReplayBufferActor, cfg.buffer_capacity, cfg.max_staleness)
-    return Services(gen, reward, ref, trainer, buf, procs)
+    return Services(gen, reward, ref, trainer, buf, procs, by_name)
+
+
+async def record_placement(svc: Services, path: str) -> dict:
+    """Ask a :class:`Placement` actor in each service's process where it runs; write ``path`` (JSON).
+
+    Returns ``{service: {"hostname", "ips", "pid"}}``.
+    """
+    where = {}
+    for name, p in svc.by_name.items():
+        where[name] = await call(name, p.spawn(f"placement_{name}", Placement).where)
+    with open(path, "w") as f:
+        json.dump(where, f, indent=1)
+    return where
 
 
 async def call(actor_name: str, endpoint, *args):
@@ -101,6 +120,13 @@ async def call(actor_name: str, endpoint, *args):
         raise
     except Exception as e:
         raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {str(e)[:2000]}") from e
+
+
+def batch_hash(episodes: list[Episode]) -> int:
+    """A 52-bit fingerprint (a JSON-exact integer) of a training batch: prompt and response token
+    ids, prompt ids and policy versions, in order. Equal hashes at a step = the same batch."""
+    key = json.dumps([[e.prompt_id, e.prompt_ids, e.response_ids, e.policy_version] for e in episodes])
+    return int(hashlib.sha256(key.encode()).hexdigest()[:13], 16)
 
 
 def _batch_stats(episodes: list[Episode], step: int) -> dict:
@@ -258,6 +284,7 @@ class Controller:
         t_start = time.perf_counter()
         self.svc = await spawn_services(cfg, self.hosts)
         try:
+            await record_placement(self.svc, os.path.join(self.out_dir, "actors.json"))
             return await self._run(t_start)
         finally:
             await self.shutdown()
@@ -273,14 +300,18 @@ class Controller:
     async def _run(self, t_start: float) -> dict:
         cfg, s = self.cfg, self.svc
         ckpt = self.latest_checkpoint() if cfg.resume else None
+        # The reference is the trainer's initial policy (version 0) bit for bit, in a resumed run
+        # too: take it before the checkpoint overwrites the trainer's weights (a reference loaded
+        # from the source in another dtype would differ slightly, and so would the KL term).
+        handle = await call("trainer", s.trainer.publish)
+        await call("reference", s.reference.load_initial, handle)
         if ckpt:
             await self.restore(ckpt)
-        handle = await call("trainer", s.trainer.publish)
-        if not ckpt:  # on resume the reference keeps the initial weights it loaded from the source
-            await call("reference", s.reference.load_initial, handle)
+            handle = await call("trainer", s.trainer.publish)
         await self._sync(handle)
         startup_s = time.perf_counter() - t_start
-        log = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step, cfg.wandb,
+        # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
+        log = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                          os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
         bar = None
         if self.progress:
@@ -306,7 +337,7 @@ class Controller:
                 self.step += 1
                 ro, self.rollout_stats = self.rollout_stats, []
                 mean = lambda k: statistics.fmean(r[k] for r in ro) if ro else 0.0
-                row = {"step": self.step, "policy_version": tm["version"], **stats,
+                row = {"step": self.step, "policy_version": tm["version"], "batch_hash": batch_hash(episodes), **stats,
                        "loss": tm["loss"], "kl_mean": tm.get("kl_mean", 0.0), "kl_max": tm.get("kl_max", 0.0),
                        "clip_frac": tm["clip_frac"], "clip_frac_low": tm.get("clip_frac_low", 0.0),
                        "clip_frac_high": tm.get("clip_frac_high", 0.0), "ratio_mean": tm.get("ratio_mean", 1.0),
@@ -317,13 +348,13 @@ class Controller:
                        "zero_variance_groups": sum(r.get("zero_variance_groups", 0) for r in ro),
                        "step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
                        "startup_s": startup_s}
+                log.log(row)  # before the checkpoint: a resume keeps this row (no gap)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.steps:
                     await self._quiesce()
                     await self.save_checkpoint()
                     async with self.changed:
                         self.paused = False
                         self.changed.notify_all()
-                log.log(row)
                 if bar is not None:
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
                                     loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_s']:.2f}s")

@@ -19,7 +19,7 @@ from typing import Optional
 
 # A number as models and GSM8K write it: optional sign and currency sign, digits with optional
 # thousands separators, optional decimal part; or a bare decimal like ".5".
-_NUM = r"[-+\u2212]?\s*[$€£]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+\u2212]?\s*[$€£]?\s*\.\d+"
+_NUM = r"(?:[-+\u2212]?\s*[$€£]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+\u2212]?\s*[$€£]?\s*\.\d+)(?!\d)"
 _NUM_RE = re.compile(_NUM)
 _STRICT_RE = re.compile(r"####\s*(" + _NUM + r")")
 

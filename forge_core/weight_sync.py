@@ -48,15 +48,20 @@ class FlatWeights:
 
     ``share=True`` (receivers) re-points every parameter at a view of the buffer, so writing the
     buffer updates the model. ``share=False`` (the trainer) keeps a separate staging copy that
-    :meth:`snapshot` refreshes.
+    :meth:`snapshot` refreshes, in ``dtype`` (the receivers' dtype, e.g. bf16 from fp32 master
+    weights: the cast happens once, on the sender, and halves the bytes sent).
     """
 
-    def __init__(self, model: torch.nn.Module, share: bool):
+    def __init__(self, model: torch.nn.Module, share: bool, dtype: torch.dtype | None = None):
         params = _params(model)
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             raise ValueError(f"weight sync needs one parameter dtype, found {dtypes}")
         self.dtype = dtypes.pop()
+        if dtype is not None and dtype != self.dtype:
+            if share:
+                raise ValueError(f"a receiver's buffer must have its parameters' dtype {self.dtype}, not {dtype}")
+            self.dtype = dtype
         self.layout = [(n, tuple(p.shape), p.numel()) for n, p in params]
         total = sum(n for *_, n in self.layout)
         self.flat = torch.empty(total, dtype=self.dtype, device=params[0][1].device)
@@ -105,8 +110,9 @@ class FlatWeights:
         return time.perf_counter() - t0
 
     def digest(self) -> str:
-        """sha256 of the live parameters' bytes, in layout order (for bitwise-equality checks)."""
+        """sha256 of the live parameters' bytes cast to the buffer dtype, in layout order
+        (for bitwise-equality checks between a sender and its receivers)."""
         h = hashlib.sha256()
         for p in self.params:
-            h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(p.detach().to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

@@ -68,7 +68,7 @@ class Generator(Actor):
         self.cfg = OmegaConf.create(cfg)
         setup_process(self.cfg.threads_per_actor, self.cfg.seed)
         self.tok = load_tokenizer(self.cfg.model)
-        self.model = load_model(self.cfg.model)
+        self.model = load_model(self.cfg.model, dtype=getattr(torch, self.cfg.generator.dtype))
         self.weights = FlatWeights(self.model, share=True)
         self.version = 0
         self.lock = asyncio.Lock()  # generation and weight updates never interleave

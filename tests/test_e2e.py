@@ -1,0 +1,150 @@
+"""End to end through real Monarch actors with a tiny random-initialised Llama-architecture model."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from forge_core.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR = os.environ.get("GSM8K_DIR", "")
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
+        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3"]
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")]
+
+
+def test_two_grpo_steps_through_actors():
+    """2 real GRPO steps: finite loss, changed weights, generator version advanced and bitwise-equal weights."""
+    from forge_core.controller import call, spawn_services
+    from forge_core.data import PromptSource, load_gsm8k
+    from forge_core.losses import compute_advantages
+
+    async def go():
+        cfg = load_config("smollm2_135m", TINY + ["generator.dtype=float32"])
+        svc = await spawn_services(cfg)
+        try:
+            src = PromptSource(load_gsm8k("train", GSM8K_DIR), 0)
+            w0 = await call("trainer", svc.trainer.state_dict)
+            await call("generator", svc.generator.update_weights, await call("trainer", svc.trainer.publish))
+            await call("reference", svc.reference.load_initial, await call("trainer", svc.trainer.publish))
+            losses = []
+            for step in range(2):
+                eps, gen = await call("generator", svc.generator.generate, src.next_batch(2), step)
+                assert len(eps) == 8 and all(e.policy_version == step for e in eps)
+                assert all(len(e.behaviour_logprobs) == len(e.response_ids) > 0 for e in eps)
+                eps = await call("reward", svc.reward.score, eps)
+                eps, _ = await call("reference", svc.reference.logprobs, eps)
+                adv, _, _ = compute_advantages(torch.tensor([e.reward for e in eps]).view(2, 4), cfg.advantage)
+                for e, a in zip(eps, adv.flatten().tolist()):
+                    e.advantage = a if any(adv.flatten()) else (1.0 if e.group == 0 else -1.0)  # random model: force signal
+                m = await call("trainer", svc.trainer.train_step, eps)
+                losses.append(m["loss"])
+                sync = await call("generator", svc.generator.update_weights, await call("trainer", svc.trainer.publish))
+                assert sync["version"] == step + 1 and sync["sync_s"] > 0
+            assert all(map(lambda x: x == x and abs(x) < 1e6, losses))  # finite
+            w2 = await call("trainer", svc.trainer.state_dict)
+            changed = [k for k in w0 if not torch.equal(w0[k], w2[k])]
+            assert len(changed) == len(w0)
+            assert await call("generator", svc.generator.get_version) == 2 == await call("trainer", svc.trainer.get_version)
+            g = await call("generator", svc.generator.state_dict)
+            for k, v in w2.items():
+                assert torch.equal(g[k], v), k  # bit for bit (fp32 on both sides here)
+            assert await call("generator", svc.generator.weights_digest) == await call("trainer", svc.trainer.weights_digest)
+            # the reference stays the initial policy
+            r = await call("reference", svc.reference.logprobs, eps[:1])
+            assert r[0][0].ref_logprobs == eps[0].ref_logprobs
+        finally:
+            for p in svc.procs:
+                await p.stop()
+
+    asyncio.run(go())
+
+
+def test_bf16_sync_is_bitwise_cast_of_master_weights():
+    """Default generator dtype bf16: the generator holds exactly the trainer's fp32 weights cast to bf16."""
+    from forge_core.controller import call, spawn_services
+
+    async def go():
+        cfg = load_config("smollm2_135m", TINY)
+        svc = await spawn_services(cfg)
+        try:
+            await call("generator", svc.generator.update_weights, await call("trainer", svc.trainer.publish))
+            t = await call("trainer", svc.trainer.state_dict)
+            g = await call("generator", svc.generator.state_dict)
+            assert all(v.dtype == torch.bfloat16 for v in g.values())
+            for k, v in t.items():
+                assert torch.equal(g[k], v.to(torch.bfloat16)), k
+        finally:
+            for p in svc.procs:
+                await p.stop()
+
+    asyncio.run(go())
+
+
+def _run(args, run_id, out, timeout=600, **popen):
+    env = dict(os.environ, FORGE_RUN_ID=run_id, WANDB_MODE="disabled")
+    cmd = [sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={out}", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(l) for l in f]
+
+
+def test_cli_run_outputs_and_resume(tmp_path):
+    p = _run(["steps=2", "checkpoint.every=1"], "r1", tmp_path)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    run = tmp_path / "r1"
+    rows = _rows(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward_mean", "reward_std", "accuracy", "response_len_mean", "loss", "kl_mean", "clip_frac",
+                "grad_norm", "gen_tok_s", "gen_s", "ref_s", "train_s", "weight_sync_s", "policy_version",
+                "staleness_max", "step_s"):
+        assert key in rows[-1], key
+    assert rows[-1]["policy_version"] == 2 and all(r["staleness_max"] <= 1 for r in rows)
+    assert (run / "reward.png").stat().st_size > 1000
+    assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run / "final")  # a loadable HF checkpoint
+    # resume the same run id to 3 steps: continues at step 3, no duplicate lines
+    p = _run(["steps=3", "checkpoint.every=1"], "r1", tmp_path)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_ctrl_c_stops_every_actor_and_keeps_outputs(tmp_path):
+    p = _run(["steps=200", "checkpoint.every=1"], "int", tmp_path, start_new_session=True)
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(_rows(metrics)) >= 2):
+        time.sleep(1)
+    assert metrics.exists(), "the run never logged a step"
+    children = psutil.Process(p.pid).children(recursive=True)
+    assert len(children) >= 5  # one process per actor
+    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode != 0 and "interrupted" in out
+    time.sleep(2)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphan actor processes: {[c.pid for c in alive]}"
+    rows = [json.loads(l) for l in metrics.read_text().splitlines()]  # every line parses
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    ckpts = sorted((tmp_path / "int" / "checkpoints").iterdir())
+    assert ckpts and not any(c.name.endswith(".tmp") for c in ckpts)
+    from safetensors.torch import load_file
+
+    assert load_file(ckpts[-1] / "model.safetensors")
