@@ -19,8 +19,9 @@ from typing import Any, Optional
 from forge_core.rewards import normalize_number
 
 DEFAULT_SYSTEM_PROMPT = (
-    "Solve the math problem step by step. "
-    "End with the final answer on its own line as '#### <number>'."
+    "Solve the math problem in a few short steps, then give the final answer on the last line "
+    "as '#### <number>'.\n\nExample:\nQuestion: Tom has 3 apples and buys 2 more. How many apples "
+    "does he have now?\nAnswer: Tom has 3 + 2 = 5 apples.\n#### 5"
 )
 
 

