@@ -22,6 +22,8 @@ from typing import Optional
 _NUM = r"(?:[-+\u2212]?\s*[$€£]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+\u2212]?\s*[$€£]?\s*\.\d+)(?!\d)"
 _NUM_RE = re.compile(_NUM)
 _STRICT_RE = re.compile(r"####\s*(" + _NUM + r")")
+# A finished answer line: generation can stop here (see ``generator.stop_after_answer``).
+ANSWER_LINE_RE = re.compile(r"####\s*(?:" + _NUM + r")[^\n]*\n")
 
 MODES = ("strict", "flexible")
 

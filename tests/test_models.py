@@ -44,3 +44,20 @@ def test_response_logprobs_match_a_plain_forward():
     logits = model(torch.tensor([[5, 6, 7, 8, 9]])).logits[0].float().log_softmax(-1)
     ref = torch.stack([logits[i, t] for i, t in zip([1, 2, 3], [7, 8, 9])])
     torch.testing.assert_close(lp[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_stops_after_a_finished_answer_line():
+    from forge_core.actors.generator import _StopAfterAnswer
+
+    tok = load_tokenizer(ModelConfig(name="smollm2_135m"))
+    prompt = tok("Q: 2+3?", add_special_tokens=False).input_ids
+    resp = tok("2 + 3 = 5\n#### 5\n#### 5\n", add_special_tokens=False).input_ids
+    stop = _StopAfterAnswer(tok, len(prompt), 1)
+    stopped_at = None
+    for n in range(1, len(resp) + 1):
+        done = stop(torch.tensor([prompt + resp[:n]]), None)
+        if done[0] and stopped_at is None:
+            stopped_at = n
+    assert stopped_at is not None and stop.stop_len[0] == stopped_at
+    assert tok.decode(resp[:stopped_at]) == "2 + 3 = 5\n#### 5\n"
+    assert not _StopAfterAnswer(tok, len(prompt), 1)(torch.tensor([prompt + tok("#### 5", add_special_tokens=False).input_ids]), None)[0]

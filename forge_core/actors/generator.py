@@ -18,40 +18,69 @@ from monarch.actor import Actor, endpoint
 from forge_core.actors import setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
+from forge_core.rewards import ANSWER_LINE_RE
 from forge_core.models import load_model, load_tokenizer
 from forge_core.weight_sync import FlatWeights, WeightHandle
+
+
+class _StopAfterAnswer:
+    """transformers stopping criterion: a row is done once its text holds a full ``#### N`` line.
+
+    Records, per row, the response length (tokens) at which it stopped, so the caller can cut there.
+    """
+
+    def __init__(self, tok, prompt_len: int, rows: int):
+        self.tok, self.P = tok, prompt_len
+        self.stop_len = [None] * rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        n = input_ids.shape[1] - self.P
+        for i in range(input_ids.shape[0]):
+            if self.stop_len[i] is None:
+                tail = self.tok.decode(input_ids[i, max(self.P, input_ids.shape[1] - 16):])
+                if "\n" in tail and ANSWER_LINE_RE.search(self.tok.decode(input_ids[i, self.P:])):
+                    self.stop_len[i] = n
+            done[i] = self.stop_len[i] is not None
+        return done
 
 
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max_prompt_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                seed: Optional[int] = None) -> list[dict]:
+                seed: Optional[int] = None, stop_after_answer: bool = True) -> list[dict]:
     """Sample ``n`` completions per prompt with transformers' ``generate``.
 
     Returns ``len(prompts) * n`` dicts (prompt-major order) with ``prompt_ids``, ``response_ids``
-    (cut after the first EOS, which is kept), ``logprobs`` (log-softmax of logits / temperature,
-    i.e. of the distribution sampled from, float32), ``text`` and ``truncated`` (no EOS).
+    (cut after the first EOS, which is kept, or after a finished ``#### N`` line when
+    ``stop_after_answer``), ``logprobs`` (log-softmax of logits / temperature, i.e. of the
+    distribution sampled from, float32), ``text`` and ``truncated`` (hit ``max_new_tokens``).
     """
+    from transformers import StoppingCriteriaList
+
     if seed is not None:
         torch.manual_seed(seed)
     enc = tok(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_tokens,
               add_special_tokens=False)
     P = enc.input_ids.shape[1]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    stop = _StopAfterAnswer(tok, P, len(prompts) * n) if stop_after_answer else None
     out = model.generate(**enc, max_new_tokens=max_new_tokens, num_return_sequences=n, output_logits=True,
                          return_dict_in_generate=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         **sampling)
+                         stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **sampling)
     seqs = out.sequences[:, P:]
     lps = torch.stack([torch.log_softmax(l.float() / (1.0 if greedy else temperature), -1)
                        .gather(-1, seqs[:, i:i + 1]).squeeze(-1) for i, l in enumerate(out.logits)], dim=1)
     results = []
     for j in range(seqs.shape[0]):
         ids = seqs[j].tolist()
-        eos = ids.index(tok.eos_token_id) if tok.eos_token_id in ids else None
-        r = ids[:eos + 1] if eos is not None else ids
+        end = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else None
+        if stop is not None and stop.stop_len[j] is not None and (end is None or stop.stop_len[j] < end):
+            end = stop.stop_len[j]
+        r = ids[:end] if end is not None else ids
         prompt = enc.input_ids[j // n][enc.attention_mask[j // n].bool()].tolist()
         results.append(dict(prompt_ids=prompt, response_ids=r, logprobs=lps[j, :len(r)].tolist(),
-                            text=tok.decode(r, skip_special_tokens=True), truncated=eos is None))
+                            text=tok.decode(r, skip_special_tokens=True), truncated=end is None))
     return results
 
 
