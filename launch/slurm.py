@@ -1,0 +1,559 @@
+"""Launch a recipe on a SLURM cluster through submitit: ``make slurm RECIPE=... [CLUSTER=...] [NODES=n]``.
+
+    python -m launch.slurm submit RECIPE [--cluster PROFILE] [--nodes N] [--dry-run] [overrides ...]
+    python -m launch.slurm logs   [JOB_ID] [--no-follow] [--task T]     # default: the last job
+    python -m launch.slurm cancel [JOB_ID]
+    python -m launch.slurm status [JOB_ID]
+
+What comes from where:
+
+    recipe (recipes/<name>/config.yaml + overrides)   nodes, GPUs per node, which node hosts which
+                                                      service (layout.*); NODES=n sets layout.nodes
+    profile (cluster/slurm/<profile>.yaml)            partition, account, qos, cpus, memory, time
+                                                      limit, setup lines, attach timeout, ...
+
+The job is one sbatch allocation of ``layout.nodes`` nodes with one task per node. Every task runs
+:class:`NodeTask` (pickled by submitit), i.e. :func:`launch.node.run_node` ``--from slurm``:
+each node runs a Monarch worker bound to its own address (:mod:`launch.bootstrap`), node rank 0
+also runs the controller, which attaches to all workers and places the services on the nodes the
+recipe's layout names. The run directory is ``<output_dir>/<SLURM job id>``; submitit's files
+(the sbatch script, pickles, per-task logs) are in its ``slurm/`` folder.
+
+Preemption and time limits: SLURM signals ``USR2`` ``signal_delay_s`` before the time limit
+(submitit's ``--signal``) and submitit's interrupt helper sends ``SIGTERM`` + ``USR2``; on rank 0
+submitit then calls :meth:`NodeTask.checkpoint` and ``scontrol requeue``s the job. The requeued job
+keeps its id, so it finds ``<run>/checkpoints/step_N`` (written every ``checkpoint.every`` steps)
+and resumes from the newest one: policy weights, AdamW state, RNG, data-loader position, replay
+buffer and step counter; metrics continue at step N+1. A plain ``scontrol requeue`` (or a
+preemption with ``PreemptMode=REQUEUE``) resumes the same way.
+
+Failures end the allocation: srun runs with ``--kill-on-bad-exit=1``, so when rank 0 fails (for
+example a worker that never comes up within ``attach_timeout_s``, named in the error) the other
+tasks are killed and the job ends; nothing waits for the time limit.
+
+Secrets (``HF_TOKEN``, ``WANDB_API_KEY``) reach the job only through its environment (sbatch
+exports the submitting environment); they are never written into the sbatch script, submitit's
+pickles, the config or the metrics. Submission refuses to go on if a secret's value would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE_DIR = ROOT / "cluster" / "slurm"
+LAST_JOB = Path(os.environ.get("FORGE_SLURM_LAST_JOB", ROOT / "runs" / "slurm_last_job.json"))
+SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+HANG_ENV = "FORGE_TEST_HANG_NODES"  # fault injection for tests: these node ranks never start a worker
+
+
+class SlurmError(RuntimeError):
+    """A submission problem the user can fix; the message says what and where."""
+
+
+# --------------------------------------------------------------------------- cluster profiles
+
+
+@dataclass
+class Profile:
+    """A cluster profile, ``cluster/slurm/<name>.yaml``. Every key is optional; unknown keys fail.
+
+    Attributes:
+        partition: ``--partition`` (default: the cluster's default partition).
+        account: ``--account``.
+        qos: ``--qos``.
+        cpus_per_task: ``--cpus-per-task`` (one task per node, so: CPUs per node).
+        mem_gb: ``--mem`` per node in GB (default: the partition's default).
+        time_min: ``--time`` in minutes.
+        constraint: ``--constraint`` (e.g. ``h100``).
+        exclusive: ``--exclusive`` (whole nodes).
+        setup: shell lines run by the batch script before ``srun`` (module load, source a venv, ...).
+        signal_delay_s: USR2 this many seconds before the time limit, to requeue in time.
+        max_requeues_on_timeout: requeues after hitting the time limit (preemptions do not count).
+        attach_timeout_s: rank 0 waits this long for every node's Monarch worker, then fails the job
+            naming the missing hosts.
+        monarch_port: TCP port of the Monarch worker on every node.
+        sbatch: extra sbatch options, ``{option: value}`` (e.g. ``{reservation: foo}``; ``true`` for a flag).
+    """
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None
+    time_min: int = 60
+    constraint: Optional[str] = None
+    exclusive: bool = False
+    setup: list = field(default_factory=list)
+    signal_delay_s: int = 90
+    max_requeues_on_timeout: int = 3
+    attach_timeout_s: float = 300.0
+    monarch_port: int = 26600
+    sbatch: dict = field(default_factory=dict)
+
+
+_TYPES = {"partition": str, "account": str, "qos": str, "cpus_per_task": int, "mem_gb": (int, float),
+          "time_min": int, "constraint": str, "exclusive": bool, "setup": list, "signal_delay_s": int,
+          "max_requeues_on_timeout": int, "attach_timeout_s": (int, float), "monarch_port": int, "sbatch": dict}
+
+
+def available_profiles() -> list[str]:
+    """Names of the profiles in ``cluster/slurm/``."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")) if PROFILE_DIR.is_dir() else []
+
+
+def profile_path(name: str) -> Path:
+    """``cluster/slurm/<name>.yaml``, or ``name`` itself when it is a path to a YAML file."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and (p.is_file() or os.sep in name):
+        return p.resolve()
+    return PROFILE_DIR / f"{name}.yaml"
+
+
+def load_profile(name: str) -> tuple[Profile, Path]:
+    """Read and check a profile.
+
+    Raises:
+        SlurmError: the profile does not exist (lists the known ones), a key is unknown (names it,
+            with the closest known key) or a value has the wrong type.
+    """
+    import yaml
+
+    path = profile_path(name)
+    if not path.is_file():
+        raise SlurmError(f"cluster profile {name!r} not found: {path} (profiles in {PROFILE_DIR}: "
+                         f"{', '.join(available_profiles()) or 'none'})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SlurmError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise SlurmError(f"{path}: a profile is a mapping of keys to values, got {type(data).__name__}")
+    known = [f.name for f in dataclasses.fields(Profile)]
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SlurmError(f"{path}: unknown profile key {key!r}{hint}; known keys: {', '.join(known)}")
+        want = _TYPES[key]
+        if value is not None and not (isinstance(value, want) and not (want is int and isinstance(value, bool))):
+            raise SlurmError(f"{path}: {key}={value!r} has the wrong type (expected {getattr(want, '__name__', want)})")
+    prof = Profile(**{k: v for k, v in data.items() if v is not None})
+    if not all(isinstance(line, str) for line in prof.setup):
+        raise SlurmError(f"{path}: setup must be a list of shell lines (strings)")
+    return prof, path
+
+
+def cluster_partitions() -> Optional[list[str]]:
+    """The partitions slurmctld reports (``sinfo``), or ``None`` when SLURM cannot be asked."""
+    if not shutil.which("sinfo"):
+        return None
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return None
+    return sorted({line.strip() for line in p.stdout.splitlines() if line.strip()})
+
+
+def check_partition(prof: Profile, path: Path, partitions: Optional[list[str]]) -> None:
+    """Raise SlurmError naming the partition when the cluster does not have it."""
+    if prof.partition is None or partitions is None:
+        return
+    if prof.partition not in partitions:
+        raise SlurmError(f"partition {prof.partition!r} (from {path}) does not exist on this cluster; "
+                         f"partitions: {', '.join(partitions) or 'none'}")
+
+
+# --------------------------------------------------------------------------- what runs on each node
+
+
+class NodeTask:
+    """What every task of the job runs (one task per node); submitit pickles it.
+
+    ``__call__`` runs :func:`launch.node.run_node` with the run id set to the SLURM job id, which
+    a requeue keeps, so a requeued job resumes from the run's newest checkpoint.
+    ``checkpoint`` is submitit's requeue protocol: called on rank 0 on USR2 (time limit or
+    preemption), it returns the same task; the state to resume from is the run's checkpoints.
+    """
+
+    def __init__(self, recipe: str, overrides: Sequence[str], attach_timeout_s: float,
+                 preempt_grace_s: float = 120.0):
+        self.recipe = recipe
+        self.overrides = list(overrides)
+        self.attach_timeout_s = attach_timeout_s
+        self.preempt_grace_s = preempt_grace_s
+        self._signalled_at: Optional[float] = None
+
+    def __repr__(self) -> str:
+        return (f"NodeTask(recipe={self.recipe!r}, overrides={self.overrides!r}, "
+                f"attach_timeout_s={self.attach_timeout_s:g})")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_signalled_at"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._signalled_at = None
+
+    def _watch_sigterm(self) -> None:
+        """Remember when SIGTERM came (preemption, scancel, requeue) and chain to submitit's handler."""
+        prev = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum, frame):
+            self._signalled_at = time.monotonic()
+            print(f"[slurm] SIGTERM on node {os.environ.get('SLURM_NODEID')}: preemption or requeue "
+                  f"in progress", file=sys.stderr, flush=True)
+            if callable(prev):
+                prev(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def __call__(self) -> Optional[dict]:
+        import submitit
+
+        from launch.node import run_node
+
+        env = submitit.JobEnvironment()
+        os.environ["FORGE_RUN_ID"] = str(env.job_id)  # kept across requeues: resume finds the run
+        print(f"[slurm] {env}; restarts so far: {os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
+        if str(env.node) in os.environ.get(HANG_ENV, "").split(","):
+            print(f"[slurm] {HANG_ENV}: node {env.node} never starts its worker (test fault)", flush=True)
+            while True:
+                time.sleep(3600)
+        if threading.current_thread() is threading.main_thread():
+            self._watch_sigterm()
+        try:
+            return run_node("slurm", self.recipe, self.overrides, self.attach_timeout_s)
+        except Exception as e:
+            print(f"[slurm] error on node {env.node}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if self._signalled_at is not None and env.global_rank == 0:
+                # Actors die on the same signal: this failure is the preemption, not a bug. Give
+                # submitit's USR2 handler (requeue) or SLURM's kill the time to end this process,
+                # so no error result is recorded for a job that is being requeued.
+                print(f"[slurm] {type(e).__name__} after SIGTERM; waiting up to {self.preempt_grace_s:g} s "
+                      f"for the requeue", file=sys.stderr, flush=True)
+                deadline = time.monotonic() + self.preempt_grace_s
+                while time.monotonic() < deadline:
+                    time.sleep(1)
+            elif env.global_rank == 0:
+                print("[slurm] the job ends now: srun --kill-on-bad-exit stops the other nodes' tasks",
+                      file=sys.stderr, flush=True)
+            raise
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """submitit: called on rank 0 before the requeue; resubmit the same task."""
+        import submitit
+
+        print("[slurm] checkpoint(): requeueing; the job resumes from the run's newest checkpoint",
+              file=sys.stderr, flush=True)
+        return submitit.helpers.DelayedSubmission(NodeTask(self.recipe, self.overrides, self.attach_timeout_s,
+                                                           self.preempt_grace_s))
+
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass
+class JobSpec:
+    """Everything a submission needs (built by :func:`build_job`, printed by a dry run)."""
+
+    cfg: Any
+    profile: Profile
+    profile_path: Path
+    nodes: int
+    folder: str  # submitit folder, with %j
+    run_root: str  # <output_dir>; the run directory is <run_root>/<job id> unless run_id is set
+    task: NodeTask
+    generic: dict
+    specific: dict
+
+
+def _recipe_arg(recipe: str) -> str:
+    from forge_core.config import recipe_dir
+
+    return recipe_dir(recipe)
+
+
+def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
+              overrides: Sequence[str] = (), check_cluster: bool = True) -> JobSpec:
+    """Compose the recipe config, read the profile and derive the sbatch parameters.
+
+    Raises:
+        ConfigError: bad recipe or override (names the key).
+        SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES.
+    """
+    from forge_core.config import load_config
+
+    prof, ppath = load_profile(profile_name)
+    if check_cluster:
+        check_partition(prof, ppath, cluster_partitions())
+    overrides = list(overrides)
+    if nodes is not None:
+        if nodes < 1:
+            raise SlurmError(f"NODES={nodes} must be >= 1")
+        overrides.append(f"layout.nodes={nodes}")
+    cfg = load_config(recipe, overrides)
+    run_root = os.path.abspath(cfg.output_dir)
+    overrides.append(f"output_dir={run_root}")  # the job must not depend on its working directory
+    cfg = load_config(recipe, overrides)  # exactly what node 0 will compose (run_id: the job id)
+    folder = os.path.join(run_root, "%j", "slurm")
+    n = int(cfg.layout.nodes)
+    generic = {"name": f"forge-{cfg.recipe}", "nodes": n, "tasks_per_node": 1, "timeout_min": prof.time_min,
+               "cpus_per_task": prof.cpus_per_task, "mem_gb": prof.mem_gb,
+               "gpus_per_node": int(cfg.layout.gpus_per_node) or None}
+    generic = {k: v for k, v in generic.items() if v is not None}
+    sbatch = {"requeue": True, "chdir": str(ROOT), **prof.sbatch}
+    setup = [f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
+             f"export FORGE_MONARCH_PORT={prof.monarch_port}", *prof.setup]
+    specific = {"slurm_partition": prof.partition, "slurm_account": prof.account, "slurm_qos": prof.qos,
+                "slurm_constraint": prof.constraint, "slurm_exclusive": True if prof.exclusive else None,
+                "slurm_setup": setup, "slurm_signal_delay_s": prof.signal_delay_s,
+                "slurm_srun_args": ["--kill-on-bad-exit=1"], "slurm_additional_parameters": sbatch}
+    specific = {k: v for k, v in specific.items() if v is not None}
+    task = NodeTask(_recipe_arg(recipe), overrides, prof.attach_timeout_s)
+    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, generic, specific)
+
+
+def make_executor(spec: JobSpec):
+    """The submitit AutoExecutor (cluster ``slurm``) for ``spec``. Works without SLURM too (for dry
+    runs: submitit insists on ``srun`` being on PATH, which only matters for submitting)."""
+    import submitit
+    from submitit.slurm import slurm as sslurm
+
+    kwargs = {"folder": spec.folder, "cluster": "slurm",
+              "slurm_max_num_timeout": spec.profile.max_requeues_on_timeout}
+    if shutil.which("srun"):
+        ex = submitit.AutoExecutor(**kwargs)
+    else:
+        from unittest import mock
+
+        with mock.patch.object(sslurm.SlurmExecutor, "affinity", classmethod(lambda cls: 2)):
+            ex = submitit.AutoExecutor(**kwargs)
+    ex.update_parameters(**spec.generic, **spec.specific)
+    return ex
+
+
+def sbatch_script(spec: JobSpec, ex: Any = None) -> str:
+    """The exact sbatch script submitit writes for ``spec`` (``%j`` is SLURM's job-id pattern)."""
+    ex = ex or make_executor(spec)
+    inner = ex._executor
+    return inner._make_submission_file_text(inner._submitit_command_str, "dry-run")
+
+
+def secret_values() -> dict[str, str]:
+    """``{name: value}`` of the secret environment variables that are set (non-trivial values)."""
+    return {k: os.environ[k] for k in SECRET_ENV if len(os.environ.get(k, "")) >= 6}
+
+
+def assert_no_secrets(what: str, text: str) -> None:
+    """Raise SlurmError if ``text`` contains the value of a secret environment variable."""
+    for name, value in secret_values().items():
+        if value in text:
+            raise SlurmError(f"the value of ${name} would be written into {what}; pass secrets only through "
+                             f"the environment (sbatch exports it to the job), never in overrides or setup lines")
+
+
+def submit(spec: JobSpec) -> Any:
+    """Submit through submitit; returns the submitit Job. Records it as the last job."""
+    ex = make_executor(spec)
+    script = sbatch_script(spec, ex)
+    assert_no_secrets("the sbatch script", script)
+    assert_no_secrets("the job's pickled arguments", repr(spec.task))
+    os.makedirs(spec.run_root, exist_ok=True)
+    t0 = time.time()
+    job = ex.submit(spec.task)
+    jid = str(job.job_id)
+    folder = spec.folder.replace("%j", jid)
+    run_id = spec.cfg.run_id or jid
+    rec = {"job_id": jid, "recipe": spec.cfg.recipe, "nodes": spec.nodes, "profile": str(spec.profile_path),
+           "folder": folder, "run_dir": os.path.join(spec.run_root, run_id),
+           "log_out": os.path.join(folder, f"{jid}_0_log.out"), "log_err": os.path.join(folder, f"{jid}_0_log.err"),
+           "submitted_at": t0}
+    LAST_JOB.parent.mkdir(parents=True, exist_ok=True)
+    LAST_JOB.write_text(json.dumps(rec, indent=1) + "\n")
+    job.forge = rec
+    return job
+
+
+def last_job(job_id: Optional[str] = None) -> dict:
+    """The record of ``job_id`` (default: the last job submitted from here). For another job id,
+    the log folder comes from SLURM (``scontrol show job``: its StdOut path). Raises SlurmError
+    when there is no last job."""
+    rec = json.loads(LAST_JOB.read_text()) if LAST_JOB.is_file() else None
+    if not job_id:
+        if rec is None:
+            raise SlurmError(f"no job submitted from here yet ({LAST_JOB} is missing); pass a job id")
+        return rec
+    if rec is not None and rec["job_id"] == str(job_id):
+        return rec
+    out = {"job_id": str(job_id)}
+    try:
+        show = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                              timeout=20).stdout
+        stdout = next((t.split("=", 1)[1] for t in show.split() if t.startswith("StdOut=")), None)
+        if stdout:
+            out["folder"] = os.path.dirname(stdout)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def job_state(job_id: str) -> Optional[str]:
+    """SLURM's state of the job (``PENDING``, ``RUNNING``, ``COMPLETED``, ...), ``None`` if unknown."""
+    try:
+        p = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                           timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for tok in p.stdout.split():
+        if tok.startswith("JobState="):
+            return tok.split("=", 1)[1]
+    return None
+
+
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
+          "SUSPENDED", "STAGE_OUT", "SIGNALING", "PREEMPTED", "REQUEUE_FED")
+
+
+def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, poll_s: float = 1.0) -> None:
+    """Print task ``task``'s stdout and stderr logs; with ``follow``, keep printing until the job ends."""
+    jid = rec["job_id"]
+    folder = rec.get("folder")
+    if not folder:
+        raise SlurmError(f"job {jid} was not submitted from here: its log folder is unknown")
+    files = [os.path.join(folder, f"{jid}_{task}_log.{kind}") for kind in ("out", "err")]
+    print(f"job {jid} ({job_state(jid) or 'finished'}): {files[0]}  {files[1]}", file=out, flush=True)
+    pos = {f: 0 for f in files}
+    while True:
+        for f in files:
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(pos[f])
+                    chunk = fh.read()
+                    pos[f] = fh.tell()
+            except FileNotFoundError:
+                continue
+            if chunk:
+                out.write(chunk.decode(errors="replace"))
+                out.flush()
+        if not follow or (job_state(jid) or "DONE") not in ACTIVE:
+            break
+        time.sleep(poll_s)
+
+
+def cancel(job_id: str) -> str:
+    """``scancel`` the job if it is still queued or running; returns what happened.
+    Raises SlurmError with scancel's message when it fails."""
+    state = job_state(job_id)
+    if state is not None and state not in ACTIVE:
+        return f"job {job_id} already ended ({state}); nothing to cancel"
+    p = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        raise SlurmError(f"scancel {job_id}: {p.stderr.strip()}")
+    return f"cancelled job {job_id} (was {state or 'unknown'})"
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _print_dry_run(spec: JobSpec) -> None:
+    from omegaconf import OmegaConf
+
+    print(f"# recipe {spec.cfg.recipe}: resolved config (what node 0 runs)")
+    print(OmegaConf.to_yaml(spec.cfg))
+    print(f"# sbatch script (profile {spec.profile_path}); %j is the job id")
+    print(sbatch_script(spec), end="")
+    print(f"# every task (one per node) runs, from submitit's pickle in {spec.folder}:")
+    print(f"#   {spec.task!r}")
+    print("# dry run: nothing submitted")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point; returns the exit code (2: bad recipe, profile or partition; 1: SLURM error)."""
+    p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("submit", help="submit a recipe (or print the job with --dry-run)")
+    s.add_argument("--cluster", default=os.environ.get("FORGE_SLURM_PROFILE", "dev"),
+                   help="profile name under cluster/slurm/ or a path to a YAML file (default: dev)")
+    s.add_argument("--nodes", type=int, default=None, help="override the recipe's layout.nodes")
+    s.add_argument("--dry-run", action="store_true", help="print the resolved config and the sbatch script")
+    s.add_argument("recipe")
+    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. steps=5 layout.generator.host=1")
+    lg = sub.add_parser("logs", help="print (and follow) the logs of a job (default: the last one)")
+    lg.add_argument("job_id", nargs="?")
+    lg.add_argument("--task", type=int, default=0, help="task (= node rank) whose logs to print")
+    lg.add_argument("--no-follow", dest="follow", action="store_false")
+    c = sub.add_parser("cancel", help="scancel a job (default: the last one)")
+    c.add_argument("job_id", nargs="?")
+    st = sub.add_parser("status", help="print a job's SLURM state (default: the last one)")
+    st.add_argument("job_id", nargs="?")
+    a, extra = p.parse_known_args(argv)  # overrides may come after the options
+    if extra and (a.cmd != "submit" or any(x.startswith("-") for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        a.overrides += extra
+
+    from forge_core.config import ConfigError
+
+    try:
+        if a.cmd == "submit":
+            spec = build_job(a.recipe, a.cluster, a.nodes, a.overrides, check_cluster=True)
+            if a.dry_run:
+                _print_dry_run(spec)
+                return 0
+            job = submit(spec)
+            r = job.forge
+            print(f"submitted job {r['job_id']}: recipe {r['recipe']}, {r['nodes']} node(s), "
+                  f"partition {spec.profile.partition or '(default)'}, profile {spec.profile_path}")
+            print(f"  log:     {r['log_out']}  (stderr: {r['log_err']})")
+            print(f"  run dir: {r['run_dir']}")
+            print("  watch:   make slurm-logs      stop: make slurm-cancel")
+            return 0
+        rec = last_job(a.job_id)
+        if a.cmd == "logs":
+            follow_logs(rec, a.task, a.follow)
+        elif a.cmd == "cancel":
+            print(cancel(rec["job_id"]))
+        else:
+            print(f"job {rec['job_id']}: {job_state(rec['job_id']) or 'unknown (finished?)'}")
+            for k in ("run_dir", "log_out", "log_err"):
+                if k in rec:
+                    print(f"  {k}: {rec[k]}")
+        return 0
+    except (ConfigError, SlurmError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `make slurm-logs | head`
+        return 0
+    except subprocess.CalledProcessError as e:  # pragma: no cover - sbatch/scancel failures
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        # submitit wraps sbatch's stderr in a FailedJobError / RuntimeError
+        if type(e).__module__.startswith("submitit"):
+            print(f"error: sbatch failed: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

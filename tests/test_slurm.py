@@ -1,0 +1,147 @@
+"""launch.slurm without a cluster: profiles, dry run, job parameters, secrets, the requeue protocol.
+
+The end-to-end tests on a real (local) SLURM cluster are in tests/test_slurm_cluster.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from launch import slurm  # noqa: E402
+
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
+        "generator.max_response_tokens=8", "trainer.micro_batch_size=4"]
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.slurm", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def _profile(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "prof.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_dry_run_prints_config_and_exact_script_and_submits_nothing(tmp_path):
+    last = tmp_path / "last.json"
+    r = _cli("submit", "smollm2_135m", "--nodes", "2", "--dry-run", *TINY, "layout.generator.host=1",
+             f"output_dir={tmp_path}/runs", env={"FORGE_SLURM_LAST_JOB": str(last)})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    # the resolved recipe config, with NODES applied and the layout from the overrides
+    assert "recipe: smollm2_135m" in out and "name: tiny_llama" in out
+    cfg_part = out.split("#!/bin/bash")[0]
+    assert "  nodes: 2\n" in cfg_part and "generator:\n    host: 1" in cfg_part
+    # the sbatch script: one task per node, requeue-able, USR2 before the time limit, srun kills
+    # the other tasks when one fails; logs and pickles in <output_dir>/<job id>/slurm
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=dev",
+                 "#SBATCH --requeue", "#SBATCH --signal=USR2@60", "#SBATCH --time=30",
+                 f"#SBATCH --output={tmp_path}/runs/%j/slurm/%j_0_log.out", "export OMP_NUM_THREADS=1",
+                 "--kill-on-bad-exit=1", "-m submitit.core._submit"):
+        assert line in out, line
+    assert "NodeTask(recipe=" in out and "'layout.nodes=2'" in out
+    assert "nothing submitted" in out
+    assert not last.exists() and not (tmp_path / "runs").exists()
+
+
+def test_make_slurm_passes_cluster_nodes_dry_run_and_args():
+    def cmd(*a):
+        r = subprocess.run(["make", "-n", "slurm", *a], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return " ".join(r.stdout.replace("\\\n", " ").split())
+
+    out = cmd("RECIPE=llama3_8b", "CLUSTER=example", "NODES=2", "DRY_RUN=1", "ARGS=steps=3")
+    assert "-m launch.slurm submit llama3_8b --cluster example --nodes 2 --dry-run steps=3" in out
+    assert "--dry-run" not in cmd("RECIPE=llama3_8b", "DRY_RUN=0")
+    assert "--cluster dev" in cmd("RECIPE=llama3_8b")
+
+
+def test_profile_unknown_key_is_named(tmp_path):
+    r = _cli("submit", "smollm2_135m", "--dry-run", "--cluster",
+             _profile(tmp_path, "partition: dev\npartiton: gpu\n"))
+    assert r.returncode == 2
+    assert "unknown profile key 'partiton'" in r.stderr and "did you mean 'partition'" in r.stderr
+
+
+def test_profile_missing_lists_known_ones():
+    with pytest.raises(slurm.SlurmError, match=r"'no_such_cluster' not found.*dev.*example"):
+        slurm.load_profile("no_such_cluster")
+
+
+def test_profile_wrong_type_is_named(tmp_path):
+    with pytest.raises(slurm.SlurmError, match=r"time_min='soon' has the wrong type"):
+        slurm.load_profile(_profile(tmp_path, "time_min: soon\n"))
+
+
+def test_shipped_profiles_load():
+    for name in slurm.available_profiles():
+        slurm.load_profile(name)
+    assert {"dev", "example"} <= set(slurm.available_profiles())
+
+
+def test_unknown_partition_is_named(monkeypatch):
+    monkeypatch.setattr(slurm, "cluster_partitions", lambda: ["dev", "debug"])
+    with pytest.raises(slurm.SlurmError, match=r"partition 'gpu' .*example\.yaml.* partitions: dev, debug"):
+        slurm.build_job("smollm2_135m", "example")
+
+
+def test_job_parameters_come_from_recipe_and_profile(monkeypatch, tmp_path):
+    monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
+    spec = slurm.build_job("llama3_8b", "example", overrides=[f"output_dir={tmp_path}"], check_cluster=True)
+    # nodes and GPUs from the recipe's layout; partition, account, ... from the profile
+    assert spec.generic["nodes"] == 2 and spec.generic["gpus_per_node"] == 8
+    assert spec.generic["tasks_per_node"] == 1 and spec.generic["timeout_min"] == 240
+    assert spec.generic["mem_gb"] == 480 and spec.generic["cpus_per_task"] == 64
+    assert spec.specific["slurm_partition"] == "gpu" and spec.specific["slurm_account"] == "my-account"
+    assert spec.specific["slurm_exclusive"] is True
+    script = slurm.sbatch_script(spec)
+    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --qos=normal" in script
+    assert "source /path/to/forge-recipes/.venv/bin/activate" in script
+    # NODES overrides layout.nodes; a CPU recipe asks for no GPUs
+    spec = slurm.build_job("smollm2_135m", "dev", nodes=3, overrides=[*TINY, f"output_dir={tmp_path}"])
+    assert spec.nodes == 3 and spec.cfg.layout.nodes == 3 and "gpus_per_node" not in spec.generic
+    assert spec.task.overrides[-2:] == ["layout.nodes=3", f"output_dir={tmp_path}"]
+
+
+def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
+    monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_SECRET123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_test_SECRET456")
+    spec = slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, f"output_dir={tmp_path}"])
+    script = slurm.sbatch_script(spec)
+    assert "SECRET" not in script and "SECRET" not in repr(spec.task)
+    assert "SECRET" not in pickle.dumps(spec.task).decode("latin-1")
+    # a secret passed where it would be written down is refused before anything is submitted
+    spec = slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, "wandb.project=hf_test_SECRET123",
+                                                             f"output_dir={tmp_path}"])
+    with pytest.raises(slurm.SlurmError, match=r"\$HF_TOKEN would be written"):
+        slurm.submit(spec)
+    prof = _profile(tmp_path, "setup:\n  - export WANDB_API_KEY=wandb_test_SECRET456\n")
+    spec = slurm.build_job("smollm2_135m", prof, overrides=[*TINY, f"output_dir={tmp_path}"])
+    with pytest.raises(slurm.SlurmError, match=r"\$WANDB_API_KEY would be written into the sbatch script"):
+        slurm.submit(spec)
+
+
+def test_node_task_checkpoint_requeues_the_same_task():
+    import cloudpickle
+    import submitit
+
+    task = slurm.NodeTask("/r/smollm2_135m", ["steps=5"], 42.0)
+    task._signalled_at = 1.0
+    again = cloudpickle.loads(cloudpickle.dumps(task))
+    assert again._signalled_at is None and repr(again) == repr(task)
+    d = task.checkpoint()
+    assert isinstance(d, submitit.helpers.DelayedSubmission)
+    assert isinstance(d.function, slurm.NodeTask) and repr(d.function) == repr(task)
+    assert d.args == () and d.kwargs == {}

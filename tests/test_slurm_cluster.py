@@ -1,0 +1,318 @@
+"""``make slurm`` end to end on the local dev cluster (cluster/dev): two nodes, requeue, failures, secrets.
+
+Slow and root-only. The module brings the dev cluster up with 2 nodes (reusing one that is already
+up and idle) and takes it down at the end if it started it. Every job is submitted with the
+command line users run (``python -m launch.slurm submit``, what ``make slurm`` calls), the
+embedded recipe with the tiny random Llama, and fake secrets in the environment.
+
+Figures are printed (``pytest -s``): submit -> first training step, and requeue -> resumed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = ROOT / "cluster" / "dev"
+sys.path.insert(0, str(ROOT))
+
+pytestmark = pytest.mark.slow
+
+SECRETS = {"HF_TOKEN": "hf_test_SECRET123", "WANDB_API_KEY": "wandb_test_SECRET456"}
+NODE_IPS = ["10.77.0.11", "10.77.0.12"]
+# The embedded recipe, tiny: 12 steps, a checkpoint every 3, the generator on node 1 (2nd node).
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
+        "generator.max_response_tokens=8", "trainer.micro_batch_size=4", "steps=12", "checkpoint.every=3",
+        "checkpoint.keep=10", "layout.generator.host=1"]
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
+FIGURES: dict = {}
+
+
+def _cluster_is_up() -> bool:
+    try:
+        conf = Path("/etc/slurm/slurm.conf").read_text()
+        out = subprocess.run(["sinfo", "-h", "-N", "-p", "dev", "-t", "idle", "-o", "%N"], capture_output=True,
+                             text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "forge-dev-slurm" in conf and {"node1", "node2"} <= set(out)
+
+
+@pytest.fixture(scope="module")
+def dev_cluster():
+    if os.geteuid() != 0:
+        pytest.skip("needs root (starts slurmctld/slurmd and creates network namespaces)")
+    if not shutil.which("ip"):
+        pytest.skip("needs iproute2 (ip)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("SLURM is not installed and apt-get is not available to install it")
+    pytest.importorskip("monarch.actor")
+    started = not _cluster_is_up()
+    if started:
+        p = subprocess.run([str(DEV / "up.sh"), "2"], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"up.sh failed\n{p.stdout}\n{p.stderr}"
+    yield
+    if FIGURES:
+        print("\n[figures] " + json.dumps({k: round(v, 1) for k, v in FIGURES.items()}))
+    if started:
+        p = subprocess.run([str(DEV / "down.sh")], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, f"down.sh failed\n{p.stdout}\n{p.stderr}"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, dev_cluster):
+    return tmp_path_factory.mktemp("slurm")
+
+
+def _env(work: Path, **extra: str) -> dict:
+    env = {**os.environ, **SECRETS, "FORGE_SLURM_LAST_JOB": str(work / "last_job.json"), "WANDB_MODE": "disabled",
+           "GSM8K_DIR": os.environ.get("GSM8K_DIR") or str(ROOT.parent / "shared" / "data" / "gsm8k")}
+    env.pop("FORGE_RUN_ID", None)
+    env.update(extra)
+    return env
+
+
+def _submit(work: Path, name: str, *args: str, **env: str) -> dict:
+    """``python -m launch.slurm submit smollm2_135m ...``; returns the job record (+ ``stdout``)."""
+    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--nodes", "2", *args,
+                        f"output_dir={work / name}"], cwd=ROOT, env=_env(work, **env), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads((work / "last_job.json").read_text())
+    assert f"submitted job {rec['job_id']}" in p.stdout and rec["log_out"] in p.stdout
+    return {**rec, "stdout": p.stdout}
+
+
+def _show(jid: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", jid], capture_output=True, text=True,
+                         timeout=20).stdout
+    return dict(t.split("=", 1) for t in out.split() if "=" in t)
+
+
+def _wait(pred, timeout_s: float, what: str, poll_s: float = 0.1):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _wait_done(rec: dict, timeout_s: float = 300) -> str:
+    jid = rec["job_id"]
+    try:
+        _wait(lambda: _show(jid).get("JobState") not in ACTIVE, timeout_s, f"job {jid} to end", 0.5)
+    except AssertionError:
+        subprocess.run(["scancel", jid], check=False)
+        raise AssertionError(f"job {jid} still {_show(jid).get('JobState')} after {timeout_s} s\n{_logs(rec)}")
+    return _show(jid)["JobState"]
+
+
+def _rows(run_dir: str) -> list[dict]:
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _logs(rec: dict) -> str:
+    out = []
+    for p in sorted(Path(rec["folder"]).glob("*_log.*")):
+        out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}")
+    return "\n".join(out)
+
+
+def _job_environ(jid: str) -> dict[str, dict[str, str]]:
+    """``{node_id: environ}`` of the live task processes of job ``jid`` (read from /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+        if env.get("SLURM_JOB_ID") == jid and "SLURM_NODEID" in env and "SLURM_STEP_ID" in env:
+            found.setdefault(env["SLURM_NODEID"], env)
+    return found
+
+
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- the uninterrupted run
+
+
+@pytest.fixture(scope="module")
+def two_node_run(work):
+    rec = _submit(work, "plain", *TINY)
+    t0 = rec["submitted_at"]
+    _wait(lambda: _rows(rec["run_dir"]), 240, "the first training step")
+    FIGURES["submit_to_first_step_s"] = time.time() - t0
+    environ = _job_environ(rec["job_id"])  # the job is running: its processes' environment
+    rec["state"] = _wait_done(rec)
+    rec["environ"] = environ
+    return rec
+
+
+def test_two_nodes_actors_on_both_addresses_steps_and_metrics(two_node_run, work):
+    rec = two_node_run
+    assert rec["state"] == "COMPLETED", _logs(rec)
+    run = Path(rec["run_dir"])
+    assert run.name == rec["job_id"]  # run id = SLURM job id
+    where = json.loads((run / "actors.json").read_text())
+    assert where["generator"]["ips"] == [NODE_IPS[1]] and where["generator"]["hostname"] == "node2"
+    for svc in ("trainer", "reference", "reward", "replay_buffer"):
+        assert where[svc]["ips"] == [NODE_IPS[0]] and where[svc]["hostname"] == "node1", svc
+    rows = _rows(str(run))
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["policy_version"] == r["step"] for r in rows)
+    assert (run / "reward.png").stat().st_size > 0 and (run / "final" / "model.safetensors").is_file()
+    folder = Path(rec["folder"])
+    assert f"worker tcp://{NODE_IPS[1]}:26600 (node 1/2)" in (folder / f"{rec['job_id']}_1_log.out").read_text()
+    assert f"controller on {NODE_IPS[0]}" in (folder / f"{rec['job_id']}_0_log.out").read_text()
+    # the dry run prints exactly the script that was submitted
+    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--nodes", "2",
+                        "--dry-run", *TINY, f"output_dir={work / 'plain'}"], cwd=ROOT, env=_env(work),
+                       capture_output=True, text=True, timeout=120)
+    script = p.stdout[p.stdout.index("#!/bin/bash"):p.stdout.index("# every task")]
+    assert script == (folder / f"{rec['job_id']}_submission.sh").read_text()
+
+
+# --------------------------------------------------------------------------- requeue
+
+
+def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, work):
+    from submitit.slurm.slurm import SlurmJob
+
+    ref = {r["step"]: r for r in _rows(two_node_run["run_dir"])}
+    rec = _submit(work, "requeue", *TINY)
+    jid, run = rec["job_id"], Path(rec["run_dir"])
+    metrics = run / "metrics.jsonl"
+    _wait(lambda: len(_rows(str(run))) >= 4, 240, "step 4 before the interrupt")
+    ino = metrics.stat().st_ino
+    t_int = time.time()
+    # submitit's interrupt helper: SIGTERM + USR2, what a preemption looks like -> checkpoint() + requeue
+    SlurmJob(folder=rec["folder"], job_id=jid, tasks=[0, 1])._interrupt()
+    info = _wait(lambda: (lambda s: s if s.get("JobState") == "PENDING" else None)(_show(jid)), 60,
+                 "the requeued job to be pending", 0.2)
+    t_pending = time.time()
+    assert info["Restarts"] == "1" and info["Reason"] == "BeginTime", info
+    # SLURM holds a requeued job for a while (EligibleTime); release it now to keep the test short.
+    FIGURES["slurm_requeue_hold_s"] = (time.mktime(time.strptime(info["EligibleTime"], "%Y-%m-%dT%H:%M:%S"))
+                                       - time.mktime(time.strptime(info["SubmitTime"], "%Y-%m-%dT%H:%M:%S")))
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True, timeout=20)
+    _wait(lambda: _show(jid).get("JobState") == "RUNNING", 120, "the requeued job to start", 0.2)
+    t_restart = time.time()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+    resumed_from = int(ckpts[-1].split("_")[1])
+    assert 3 <= resumed_from < 12, ckpts
+
+    def resumed_step():
+        try:
+            return metrics.stat().st_ino != ino and any(r["step"] == resumed_from + 1 for r in _rows(str(run)))
+        except FileNotFoundError:
+            return False
+
+    _wait(resumed_step, 240, f"step {resumed_from + 1} after the resume")
+    t_step = time.time()
+    FIGURES.update(interrupt_to_pending_s=t_pending - t_int, restart_to_first_resumed_step_s=t_step - t_restart,
+                   interrupt_to_first_resumed_step_without_hold_s=(t_pending - t_int) + (t_step - t_restart))
+    assert _wait_done(rec) == "COMPLETED", _logs(rec)
+    assert _show(jid)["Restarts"] == "1"
+
+    rows = _rows(str(run))
+    # step counter and metrics continue without a gap or a duplicate ...
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    # ... and every step trained exactly the batch the uninterrupted run trained, to the same loss
+    for r in rows:
+        assert r["batch_hash"] == ref[r["step"]]["batch_hash"], f"step {r['step']}"
+        assert r["loss"] == ref[r["step"]]["loss"] and r["kl_mean"] == ref[r["step"]]["kl_mean"], f"step {r['step']}"
+    assert _sha(run / "final" / "model.safetensors") == _sha(Path(two_node_run["run_dir"]) / "final" / "model.safetensors")
+    assert (run / "reward.png").is_file()
+    log0 = "".join((Path(rec["folder"]) / f"{jid}_0_log.{k}").read_text() for k in ("out", "err"))
+    assert "Calling checkpoint method" in log0 and f"Requeued job {jid}" in log0  # submitit's protocol
+    assert "restarts so far: 1" in log0
+    rec["state"] = "COMPLETED"
+    work.joinpath("requeue.json").write_text(json.dumps(rec))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_unknown_partition_fails_before_submitting(work):
+    prof = work / "nopart.yaml"
+    prof.write_text("partition: gpu-h100\n")
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--cluster", str(prof),
+                        *TINY], cwd=ROOT, env=_env(work), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "partition 'gpu-h100'" in p.stderr and "partitions: dev" in p.stderr and str(prof) in p.stderr
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
+
+
+def test_unknown_profile_key_fails_before_submitting(work):
+    prof = work / "badkey.yaml"
+    prof.write_text("partition: dev\nqueue: fast\n")
+    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--cluster", str(prof)],
+                       cwd=ROOT, env=_env(work), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown profile key 'queue'" in p.stderr
+
+
+def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
+    prof = work / "fast_attach.yaml"
+    prof.write_text("partition: dev\ncpus_per_task: 1\ntime_min: 10\nattach_timeout_s: 15\n")
+    rec = _submit(work, "deadworker", "--cluster", str(prof), *TINY, FORGE_TEST_HANG_NODES="1")
+    t0 = time.time()
+    state = _wait_done(rec, 180)
+    elapsed = time.time() - rec["submitted_at"]
+    FIGURES["dead_worker_submit_to_job_end_s"] = elapsed
+    assert state == "FAILED", state  # ended by srun --kill-on-bad-exit, not by the time limit
+    assert elapsed < 15 + 90, elapsed
+    err = (Path(rec["folder"]) / f"{rec['job_id']}_0_log.err").read_text()
+    assert f"Monarch workers not reachable within 15 s: {NODE_IPS[1]}:26600" in err
+    assert rec["job_id"] not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    # nothing of the job is left on node2 (only its slurmd lives in the namespace)
+    time.sleep(max(0.0, 2 - (time.time() - t0)))
+    pids = subprocess.run(["ip", "netns", "pids", "fr-node2"], capture_output=True, text=True).stdout.split()
+    comms = [Path(f"/proc/{p}/comm").read_text().strip() for p in pids if Path(f"/proc/{p}/comm").exists()]
+    assert set(comms) <= {"slurmd"}, comms
+    work.joinpath("deadworker.json").write_text(json.dumps(rec))
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def test_secrets_reach_the_job_only_through_its_environment(two_node_run, work):
+    # they reached both nodes' task processes ...
+    env = two_node_run["environ"]
+    assert set(env) == {"0", "1"}, list(env)
+    for node, e in env.items():
+        for k, v in SECRETS.items():
+            assert e.get(k) == v, f"{k} missing on node {node}"
+    # ... and appear in no file any job wrote: scripts, pickles, logs, configs, metrics, checkpoints
+    files = [p for p in work.rglob("*") if p.is_file()]
+    monarch_log = Path(f"/tmp/{os.environ.get('USER', 'root')}/monarch_log.log")
+    files += [monarch_log] if monarch_log.is_file() else []
+    assert any(p.name.endswith("_submission.sh") for p in files)
+    assert any(p.name.endswith("_submitted.pkl") for p in files)
+    assert any(p.name == "optimizer.pt" for p in files)
+    leaks = []
+    for p in files:
+        data = p.read_bytes()
+        leaks += [f"{p}: {k}" for k, v in SECRETS.items() if v.encode() in data]
+    assert not leaks, leaks
+    print(f"\n[secrets] searched {len(files)} files, no secret value found")
