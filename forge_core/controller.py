@@ -50,6 +50,27 @@ class ActorFailed(RuntimeError):
     """An actor call failed or its process died; the message names the actor."""
 
 
+SHUTTING_DOWN = False  # set while Controller.shutdown stops the actor processes
+LAST_FAULT: Optional[str] = None  # Monarch's report of the last unhandled actor failure
+
+
+def _fault_hook(failure: Any) -> None:
+    """Monarch's ``unhandled_fault_hook``: instead of exiting the controller, record the report
+    (ignored while stopping the actors, where a busy actor misses its cleanup deadline); the next
+    call to the failed actor raises :class:`ActorFailed` naming it, and the run stops cleanly."""
+    global LAST_FAULT
+    if not SHUTTING_DOWN:
+        LAST_FAULT = failure.report()
+    # Dropped either way: a call to the failed actor raises, and ActorFailed names it.
+
+
+def install_fault_hook() -> None:
+    """Route Monarch's unhandled actor failures through :func:`_fault_hook`."""
+    import monarch.actor
+
+    monarch.actor.unhandled_fault_hook = _fault_hook
+
+
 @dataclass
 class Services:
     """Handles to the spawned actors (each a one-actor mesh in its own process)."""
@@ -76,6 +97,11 @@ def _host_for(hosts: Any, index: int):
 async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     """Spawn every actor in its own process, on the node the recipe's ``layout`` names.
 
+    ``device=cuda`` selects the GPU actors (vLLM generator, TorchTitan trainer and reference) and
+    places them on GPUs (:func:`forge_core.gpu_layout.plan_gpus`); a trainer of several GPUs is a
+    mesh of one actor per GPU (FSDP2), answered for by rank 0 (:class:`_Rank0`). Colocated (one
+    GPU): the generator starts first, so vLLM sizes its KV cache before the others allocate.
+
     Args:
         cfg: the resolved run config.
         hosts: a multi-host ``HostMesh`` (node-rank order) or ``None`` for this host only.
@@ -85,18 +111,59 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
 
     by_name = {}
 
-    def spawn(name: str, host_index: int, cls, *args):
-        p = _host_for(hosts, host_index).spawn_procs(per_host={"procs": 1})
+    def spawn(name: str, host_index: int, cls, *args, n: int = 1):
+        p = _host_for(hosts, host_index).spawn_procs(per_host={"procs": n})
         procs.append(p)
         by_name[name] = p
         return p.spawn(name, cls, *args)
 
-    gen = spawn("generator", cfg.layout.generator.host, Generator, plain)
-    ref = spawn("reference", cfg.layout.reference.host, Reference, plain)
-    trainer = spawn("trainer", cfg.layout.trainer.host, Trainer, plain)
+    if cfg.device == "cuda":
+        from forge_core.actors.trainer import TitanReference, TitanTrainer
+        from forge_core.actors.vllm_generator import VllmGenerator
+        from forge_core.gpu_layout import plan_gpus
+
+        plan = plan_gpus(cfg)
+        L = cfg.layout
+        gen = spawn("generator", L.generator.host, VllmGenerator, plain, plan.gpus["generator"], plan.colocated,
+                    plan.per_node)
+        if plan.colocated:
+            await call("generator", gen.get_version)  # engine up before the others allocate
+        rdma = L.generator.host != L.trainer.host or L.reference.host != L.trainer.host
+        port = 29500 + (os.getpid() % 2000)
+        nt = len(plan.gpus["trainer"])
+        trainer = spawn("trainer", L.trainer.host, TitanTrainer, plain, plan.gpus["trainer"], plan.per_node, port, rdma,
+                        n=nt)
+        if nt > 1:
+            trainer = _Rank0(trainer)
+        ref = spawn("reference", L.reference.host, TitanReference, plain, plan.gpus["reference"][:1], plan.per_node)
+    else:
+        gen = spawn("generator", cfg.layout.generator.host, Generator, plain)
+        ref = spawn("reference", cfg.layout.reference.host, Reference, plain)
+        trainer = spawn("trainer", cfg.layout.trainer.host, Trainer, plain)
     reward = spawn("reward", 0, RewardActor, plain["reward"])
     buf = spawn("replay_buffer", 0, ReplayBufferActor, cfg.buffer_capacity, cfg.max_staleness)
     return Services(gen, reward, ref, trainer, buf, procs, by_name)
+
+
+class _Rank0:
+    """An actor mesh of several ranks seen as one actor: ``x.endpoint.call_one(*a)`` calls every
+    rank (their collectives need all of them) and returns rank 0's answer."""
+
+    def __init__(self, mesh: Any):
+        self._mesh = mesh
+
+    def __getattr__(self, name: str):
+        ep = getattr(self._mesh, name)
+
+        class _Ep:
+            async def call_one(self, *args):
+                vm = await ep.call(*args)
+                for point, v in vm.items():
+                    if point.rank == 0:
+                        return v
+                return next(iter(vm.values()))
+
+        return _Ep()
 
 
 async def record_placement(svc: Services, path: str) -> dict:
@@ -168,6 +235,7 @@ class Controller:
         self.rollout_busy = False
         self.paused = False  # set while a checkpoint is written
         self.sync_task: Optional[asyncio.Task] = None
+        self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -218,7 +286,17 @@ class Controller:
 
     # ---- the two loops -----------------------------------------------------------------------
     async def rollout_loop(self) -> None:
-        """Produce rollout batches until cancelled (see the module docstring)."""
+        """Produce rollout batches until cancelled (see the module docstring). A failure is
+        handed to the training loop (``rollout_error``), which raises it."""
+        try:
+            await self._rollouts()
+        except Exception as e:
+            async with self.changed:
+                self.rollout_error = e
+                self.changed.notify_all()
+            raise
+
+    async def _rollouts(self) -> None:
         cfg, s = self.cfg, self.svc
         while True:
             async with self.changed:
@@ -267,7 +345,9 @@ class Controller:
                 self.changed.notify_all()
                 if batch is not None:
                     return batch
-                await self.changed.wait()
+                await self.changed.wait_for(lambda: self.buffered >= self.B or self.rollout_error is not None)
+            if self.rollout_error is not None:
+                raise self.rollout_error
 
     async def run(self) -> dict:
         """Run the recipe to ``cfg.steps``; returns the last step's metrics.
@@ -282,6 +362,7 @@ class Controller:
             f.write(OmegaConf.to_yaml(cfg))
         self.source = PromptSource(load_gsm8k(cfg.data.split, cfg.data.dir, cfg.data.hub_id), cfg.data.seed)
         t_start = time.perf_counter()
+        install_fault_hook()
         self.svc = await spawn_services(cfg, self.hosts)
         try:
             await record_placement(self.svc, os.path.join(self.out_dir, "actors.json"))
@@ -290,12 +371,18 @@ class Controller:
             await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Stop every actor process (idempotent)."""
-        for p in getattr(self, "svc", Services(*[None] * 5, procs=[])).procs:
-            try:
-                await asyncio.wait_for(p.stop(), timeout=30)
-            except Exception:
-                pass
+        """Stop every actor process (idempotent). Faults Monarch reports while stopping (an actor
+        still busy with a cancelled call misses its cleanup deadline) are expected and ignored."""
+        global SHUTTING_DOWN
+        SHUTTING_DOWN = True
+        try:
+            for p in getattr(self, "svc", Services(*[None] * 5, procs=[])).procs:
+                try:
+                    await asyncio.wait_for(p.stop(), timeout=30)
+                except Exception:
+                    pass
+        finally:
+            SHUTTING_DOWN = False
 
     async def _run(self, t_start: float) -> dict:
         cfg, s = self.cfg, self.svc
@@ -372,6 +459,9 @@ class Controller:
             plot_rewards(log.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
         finally:
             rollouts.cancel()
+            for t in (rollouts, self.sync_task):  # retrieve a failure already raised elsewhere
+                if t is not None and t.done() and not t.cancelled():
+                    t.exception()
             if bar is not None:
                 bar.close()
             log.close()

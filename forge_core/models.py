@@ -41,6 +41,9 @@ class ModelSpec:
         gated: the hub repo needs an HF token (Llama 3.1).
         config: HF config overrides for test models (``None`` = take the source's config).
         tokenizer_from: registry name whose tokenizer a test model borrows.
+        arch: the source's HF ``config.json`` fields (architecture only), so that
+            ``model.init=random`` builds the real shape offline, for the HF (CPU), TorchTitan (GPU
+            trainer) and vLLM (generator) paths alike.
     """
 
     source: str
@@ -48,6 +51,7 @@ class ModelSpec:
     gated: bool = False
     config: Optional[dict] = None
     tokenizer_from: Optional[str] = None
+    arch: Optional[dict] = None
 
 
 _TINY_LLAMA = dict(  # a few-MB Llama-architecture model sharing SmolLM2's vocabulary
@@ -56,13 +60,59 @@ _TINY_LLAMA = dict(  # a few-MB Llama-architecture model sharing SmolLM2's vocab
     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
 )
 
+# Architecture fields of each source's config.json (copied from the hub files, so that a
+# same-shape random model needs no hub access). ``rope_theta`` is written both ways
+# (transformers 4: top level; transformers 5: ``rope_parameters``).
+_SMOLLM2_ARCH = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+    hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+_QWEN3_1_7B_ARCH = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+    hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+)
+_QWEN3_8B_ARCH = dict(_QWEN3_1_7B_ARCH, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                      num_attention_heads=32, tie_word_embeddings=False)
+_LLAMA3_8B_ARCH = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+)
+
 MODELS: dict[str, ModelSpec] = {
-    "smollm2_135m": ModelSpec(source="gguf"),
+    "smollm2_135m": ModelSpec(source="gguf", arch=_SMOLLM2_ARCH),
     "tiny_llama": ModelSpec(source="hf", config=_TINY_LLAMA, tokenizer_from="smollm2_135m"),
-    "qwen3_1_7b": ModelSpec(source="hf", path="Qwen/Qwen3-1.7B"),
-    "qwen3_8b": ModelSpec(source="hf", path="Qwen/Qwen3-8B"),
-    "llama3_8b": ModelSpec(source="hf", path="meta-llama/Llama-3.1-8B-Instruct", gated=True),
+    "qwen3_1_7b": ModelSpec(source="hf", path="Qwen/Qwen3-1.7B", arch=_QWEN3_1_7B_ARCH),
+    "qwen3_8b": ModelSpec(source="hf", path="Qwen/Qwen3-8B", arch=_QWEN3_8B_ARCH),
+    "llama3_8b": ModelSpec(source="hf", path="meta-llama/Llama-3.1-8B-Instruct", gated=True, arch=_LLAMA3_8B_ARCH),
 }
+
+
+def hf_config_dict(name: str) -> dict:
+    """The HF ``config.json`` fields of model ``name`` (architecture only, no hub access): the
+    registry's ``arch``, or a test model's ``config``. Both rope spellings are filled in.
+
+    Raises:
+        ValueError: if the registry has no architecture for ``name``.
+    """
+    spec = spec_of(name)
+    d = dict(spec.arch or spec.config or {})
+    if not d:
+        raise ValueError(f"model {name!r} has no architecture in the registry")
+    d.setdefault("architectures", ["LlamaForCausalLM"] if d.get("model_type") == "llama" else ["Qwen3ForCausalLM"])
+    d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    d.setdefault("rope_theta", 10000.0)
+    rp = dict(d.get("rope_scaling") or {}, rope_theta=d["rope_theta"])
+    rp.setdefault("rope_type", "default")
+    d["rope_parameters"] = rp
+    return d
 
 
 @dataclass
@@ -93,6 +143,10 @@ def smollm2_gguf_path() -> str:
     Raises:
         ModelSourceError: if the package is not installed.
     """
+    if os.environ.get("FORGE_SMOLLM2_GGUF"):  # a copy outside site-packages (e.g. carried to a GPU machine)
+        if os.path.isfile(os.environ["FORGE_SMOLLM2_GGUF"]):
+            return os.environ["FORGE_SMOLLM2_GGUF"]
+        raise ModelSourceError(f"FORGE_SMOLLM2_GGUF={os.environ['FORGE_SMOLLM2_GGUF']} is not a file")
     roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     import site
 
@@ -158,17 +212,27 @@ def spec_of(name: str) -> ModelSpec:
 
 
 def load_tokenizer(cfg: Any):
-    """The tokenizer of ``cfg.name`` (pad token set, left padding for generation)."""
+    """The tokenizer of ``cfg.name`` (pad token set, left padding for generation).
+
+    A random-init model (``model.init=random``) whose own tokenizer cannot be reached (no hub
+    access, no local copy) falls back to SmolLM2's tokenizer, with a warning: its 49,152 ids lie
+    inside every registry model's vocabulary, which is all a same-shape benchmark needs.
+    """
     from transformers import AutoTokenizer
 
     spec = spec_of(cfg.name)
     src_name = spec.tokenizer_from or cfg.name
     try:
         tok = AutoTokenizer.from_pretrained(_hf_source(src_name, cfg if src_name == cfg.name else ModelConfig(src_name)))
-    except ModelSourceError:
-        raise
-    except OSError as e:
-        raise ModelSourceError(_hub_hint(cfg, e)) from None
+    except (ModelSourceError, OSError, ValueError) as e:
+        if getattr(cfg, "init", "pretrained") != "random" or src_name == "smollm2_135m":
+            if isinstance(e, ModelSourceError):
+                raise
+            raise ModelSourceError(_hub_hint(cfg, e)) from None
+        import warnings
+
+        warnings.warn(f"tokenizer of {cfg.name!r} unreachable ({str(e)[:120]}); model.init=random: using SmolLM2's")
+        tok = AutoTokenizer.from_pretrained(converted_smollm2())
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -193,6 +257,10 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
     if spec.config is not None or cfg.init == "random":
         if spec.config is not None:
             conf = AutoConfig.for_model(**spec.config)
+        elif spec.arch is not None:
+            d = hf_config_dict(cfg.name)
+            d.pop("architectures", None)
+            conf = AutoConfig.for_model(**d)
         else:
             try:
                 conf = AutoConfig.from_pretrained(_hf_source(cfg.name, cfg))

@@ -53,7 +53,7 @@ def preflight(cfg: Any) -> None:
                            f"(layout: {cfg.layout.nodes} node(s)); this machine has {have}")
     spec = spec_of(cfg.model.name)
     hub = None
-    if spec.source == "hf" and spec.config is None:
+    if spec.source == "hf" and spec.config is None and not (cfg.model.init == "random" and spec.arch):
         path = cfg.model.path or spec.path
         if not os.path.isdir(path):
             if spec.gated and not os.environ.get("HF_TOKEN"):
@@ -98,6 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     from forge_core.config import ConfigError, load_config
+    from forge_core.controller import ActorFailed
     from forge_core.data import DataError
     from forge_core.models import ModelSourceError
 
@@ -134,6 +135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (DataError, ModelSourceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ActorFailed as e:
+        print(f"error: {e}\ncheckpoints and metrics written so far are intact", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: actors stopped; checkpoints and metrics written so far are intact", file=sys.stderr)
         return 130

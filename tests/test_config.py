@@ -42,8 +42,8 @@ def test_bad_override_names_the_key(override, key):
 def test_misspelled_key_in_recipe_file(tmp_path):
     d = tmp_path / "my_exp"
     shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
-    with open(d / "config.yaml", "a") as f:
-        f.write("trainer:\n  learning_rate: 0.1\n")
+    text = (d / "config.yaml").read_text()
+    (d / "config.yaml").write_text(text.replace("  lr:", "  learning_rate:"))
     with pytest.raises(ConfigError) as e:
         load_config(str(d))
     assert "learning_rate" in str(e.value) and "config.yaml" in str(e.value)
@@ -52,8 +52,8 @@ def test_misspelled_key_in_recipe_file(tmp_path):
 def test_copied_recipe_folder_is_its_own_recipe(tmp_path):
     d = tmp_path / "my_exp"
     shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
-    with open(d / "config.yaml", "a") as f:
-        f.write("steps: 7\n")
+    text = (d / "config.yaml").read_text()
+    (d / "config.yaml").write_text(text.replace("\nsteps:", "\nsteps: 7\n_old_steps:").replace("_old_steps:", "#"))
     cfg = load_config(str(d))
     assert cfg.recipe == "my_exp" and cfg.steps == 7
 

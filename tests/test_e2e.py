@@ -143,8 +143,40 @@ def test_ctrl_c_stops_every_actor_and_keeps_outputs(tmp_path):
     assert not alive, f"orphan actor processes: {[c.pid for c in alive]}"
     rows = [json.loads(l) for l in metrics.read_text().splitlines()]  # every line parses
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-    ckpts = sorted((tmp_path / "int" / "checkpoints").iterdir())
-    assert ckpts and not any(c.name.endswith(".tmp") for c in ckpts)
+    # complete checkpoints only (a save cut short by Ctrl-C stays a .tmp dir, which resume ignores)
+    ckpts = sorted(c for c in (tmp_path / "int" / "checkpoints").iterdir() if not c.name.endswith(".tmp"))
+    assert ckpts and (ckpts[-1] / "controller.json").is_file()
     from safetensors.torch import load_file
 
     assert load_file(ckpts[-1] / "model.safetensors")
+
+
+def test_dead_actor_is_named_and_outputs_survive(tmp_path):
+    p = _run(["steps=200", "checkpoint.every=1"], "dead", tmp_path, start_new_session=True)
+    run = tmp_path / "dead"
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_rows(run / "metrics.jsonl")) >= 1):
+        time.sleep(1)
+    children = psutil.Process(p.pid).children(recursive=True)
+    pid = json.loads((run / "actors.json").read_text())["generator"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode not in (0, None)
+    assert "error: actor 'generator' failed" in out and "Traceback" not in out, out[-3000:]
+    time.sleep(2)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphan actor processes: {[c.pid for c in alive]}"
+    rows = _rows(run / "metrics.jsonl")
+    assert rows and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert any((run / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("loss", ["gspo", "dapo", "reinforce"])
+def test_loss_is_one_config_key(tmp_path, loss):
+    """`make run ARGS="loss=gspo"` trains end to end with that loss."""
+    p = _run([f"loss={loss}", "steps=1"], loss, tmp_path)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    rows = _rows(tmp_path / loss / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0]["loss"] == rows[0]["loss"]
+    assert f"name: {loss}" in (tmp_path / loss / "config.yaml").read_text()

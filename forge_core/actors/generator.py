@@ -38,8 +38,9 @@ class _StopAfterAnswer:
         n = input_ids.shape[1] - self.P
         for i in range(input_ids.shape[0]):
             if self.stop_len[i] is None:
+                # the answer line is a few tokens: it lies in the tail when its newline arrives
                 tail = self.tok.decode(input_ids[i, max(self.P, input_ids.shape[1] - 16):])
-                if "\n" in tail and ANSWER_LINE_RE.search(self.tok.decode(input_ids[i, self.P:])):
+                if "\n" in tail and ANSWER_LINE_RE.search(tail):
                     self.stop_len[i] = n
             done[i] = self.stop_len[i] is not None
         return done

@@ -1,0 +1,311 @@
+"""The vLLM generator actor (``generator.backend=vllm``, GPU extra): same endpoints as
+:class:`forge_core.actors.generator.Generator`.
+
+- vLLM 0.26.0 runs in this actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; with
+  tensor parallelism its workers are child processes), with ``skip_tokenizer_init``: prompts go in
+  as token ids made by our tokenizer, and the model files are only a ``config.json`` written from
+  the registry with ``load_format=dummy``. The weights always come from the trainer (version 0 at
+  start-up, then every step), so no checkpoint is read twice and a random-init run needs none.
+- Sampling: ``n = group_size`` completions per prompt, ``logprobs=0`` (the sampled token's
+  logprob), ``logprobs_mode=processed_logprobs`` (the tempered distribution sampled from).
+- Weight updates (:meth:`VllmGenerator.update_weights`) never restart the engine: the trainer's
+  buffer is opened through CUDA IPC and fed to the model's ``load_weights`` inside the worker(s)
+  (``LLM.apply_model`` / ``collective_rpc``; bucketed when the trainer is on another GPU); a
+  receiver on another host reads it through RDMA into a local GPU buffer first. The prefix cache is
+  reset after every update (cached KV was computed by the old weights).
+- Colocated mode (``layout.gpus_per_node=1``: trainer, reference and generator on one GPU):
+  ``enable_sleep_mode``; after each generation the engine sleeps (level 1: weights offloaded to
+  host memory, KV cache freed) so the trainer has the memory; an update wakes the weights only;
+  the next generation wakes the KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from typing import Any, Optional
+
+from monarch.actor import Actor, endpoint
+
+from forge_core.data import Problem, chat_prompt
+from forge_core.episode import Episode
+from forge_core.weight_sync import WeightHandle
+
+
+def vllm_model_dir(model_name: str, max_len: int) -> str:
+    """A directory holding only ``config.json`` for ``model_name`` (from the registry; vLLM reads
+    no weights: ``load_format=dummy``)."""
+    from forge_core.models import hf_config_dict
+
+    d = hf_config_dict(model_name)
+    d.setdefault("torch_dtype", "bfloat16")
+    d["max_position_embeddings"] = max(d.get("max_position_embeddings", 0), max_len)
+    path = tempfile.mkdtemp(prefix=f"forge-vllm-{model_name}-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f)
+    return path
+
+
+def hf_views_of_vllm(params: dict, layout: list, hf: dict) -> list:
+    """``[(hf_name, tensor)]``: each published HF tensor located inside vLLM's (TP=1) parameters,
+    which fuse q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (rows, in that order).
+    Used for bit-for-bit checks against the trainer's buffer.
+
+    Args:
+        params: vLLM's ``named_parameters()`` as a dict.
+        layout: ``[(hf_name, shape, numel)]``.
+        hf: the HF config fields (head counts, sizes).
+    """
+    D = hf["hidden_size"]
+    hd = hf.get("head_dim") or D // hf["num_attention_heads"]
+    q, kv, I = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd, hf["intermediate_size"]
+    fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+             "gate_proj": ("gate_up_proj", 0, I), "up_proj": ("gate_up_proj", I, 2 * I)}
+    out = []
+    for name, shape, _ in layout:
+        parts = name.split(".")
+        leaf = parts[-2]
+        if leaf in fused:
+            target, a, b = fused[leaf]
+            t = params[".".join(parts[:-2] + [target, parts[-1]])][a:b]
+        else:
+            t = params[name]
+            if tuple(t.shape) != tuple(shape):  # a padded vocabulary
+                t = t[:shape[0]]
+        out.append((name, t))
+    return out
+
+
+def _load_ipc(model, handle, bucket_bytes):  # runs in every vLLM worker (picklable: module level)
+    from forge_core.weight_sync import load_from_ipc
+
+    return load_from_ipc(model, handle, bucket_bytes)
+
+
+def _load_flat(model, flat, layout):
+    from forge_core.weight_sync import layout_views
+    import torch
+
+    model.load_weights(layout_views(flat.to(next(model.parameters()).device), layout))
+    torch.cuda.synchronize()
+    return {"mode": "rdma"}
+
+
+def _digest(model, layout, hf):
+    from forge_core.weight_sync import digest_of
+
+    return digest_of(hf_views_of_vllm(dict(model.named_parameters()), layout, hf))
+
+
+def _state_dict(model, layout, hf):
+    return {k: v.detach().cpu().clone() for k, v in hf_views_of_vllm(dict(model.named_parameters()), layout, hf)}
+
+
+class VllmGenerator(Actor):
+    """Rollout generation with vLLM (``generator.backend=vllm``).
+
+    Args:
+        cfg: the run's config as a plain dict.
+        gpus: physical GPU indices of this node for this engine (TP = their number);
+            ``CUDA_VISIBLE_DEVICES`` is set from them before CUDA starts.
+        colocated: share the GPU with the trainer: sleep between generations.
+        per_node: GPUs on this node (the others stay visible, after the engine's own).
+    """
+
+    def __init__(self, cfg: dict, gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0):
+        from omegaconf import OmegaConf
+
+        from forge_core.actors import setup_process
+        from forge_core.gpu_layout import visible_devices
+
+        self.cfg = OmegaConf.create(cfg)
+        g = self.cfg.generator
+        self.tp = max(len(gpus or [0]), 1)
+        if gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, per_node)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function to TP workers
+        setup_process(max(self.cfg.threads_per_actor, 4), self.cfg.seed)
+        import torch
+        from vllm import LLM
+
+        from forge_core.models import hf_config_dict, load_tokenizer
+
+        self.hf = hf_config_dict(self.cfg.model.name)
+        self.tok = load_tokenizer(self.cfg.model)
+        self.eos = self.tok.eos_token_id
+        self.colocated = colocated
+        self.sleep_level = int(os.environ.get("FORGE_VLLM_SLEEP_LEVEL", "1"))
+        self.max_len = g.max_prompt_tokens + g.max_response_tokens
+        t0 = time.perf_counter()
+        self.llm = LLM(model=vllm_model_dir(self.cfg.model.name, self.max_len), skip_tokenizer_init=True,
+                       load_format="dummy", dtype=g.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
+                       max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
+                       seed=self.cfg.seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated,
+                       max_num_seqs=int(os.environ.get("FORGE_VLLM_MAX_NUM_SEQS", "256")))
+        self.startup_s = time.perf_counter() - t0
+        self.version = 0
+        self.awake = {"weights", "kv_cache"}
+        self.lock = asyncio.Lock()
+        self.layout: Optional[list] = None
+        self.bucket_bytes = int(os.environ.get("FORGE_SYNC_BUCKET_MB", "1024")) << 20
+
+    # ---- sleep / wake (colocated mode) --------------------------------------------------------
+    def _wake(self, tags: list) -> float:
+        need = [t for t in tags if t not in self.awake]
+        if not need:
+            return 0.0
+        t0 = time.perf_counter()
+        self.llm.wake_up(tags=need)
+        self.awake.update(need)
+        return time.perf_counter() - t0
+
+    def _sleep(self) -> float:
+        if not self.colocated or not self.awake:
+            return 0.0
+        t0 = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self.awake = set()
+        return time.perf_counter() - t0
+
+    # ---- generation ---------------------------------------------------------------------------
+    def prompt_ids(self, problems: list[Problem]) -> list[list[int]]:
+        """Chat-formatted, tokenized prompts, left-truncated to ``generator.max_prompt_tokens``."""
+        g = self.cfg.generator
+        texts = [chat_prompt(self.tok, p.question, self.cfg.data.system_prompt) for p in problems]
+        return [ids[-g.max_prompt_tokens:] for ids in self.tok(texts, add_special_tokens=False).input_ids]
+
+    def _sampling(self, n: int, max_tokens: int, ignore_eos: bool = False, seed: Optional[int] = None):
+        from vllm import SamplingParams
+
+        g = self.cfg.generator
+        return SamplingParams(n=n, temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens, logprobs=0,
+                              stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
+                              detokenize=False, seed=seed)
+
+    def _generate(self, prompts: list[list[int]], sp) -> list:
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+
+    @endpoint
+    async def generate(self, problems: list[Problem], seed: int) -> tuple[list[Episode], dict]:
+        """G episodes per problem (problem-major order) and ``{"gen_s", "gen_tokens", "gen_tok_s",
+        "wake_s", "sleep_s"}``. vLLM's sampler is seeded once per engine (``seed`` of the run):
+        per-request seeds would make its sampler loop over requests, so ``seed`` is recorded only."""
+        g = self.cfg.generator
+        async with self.lock:
+            wake_s = self._wake(["weights", "kv_cache"])
+            t0 = time.perf_counter()
+            prompts = self.prompt_ids(problems)
+            outs = self._generate(prompts, self._sampling(g.group_size, g.max_response_tokens))
+            dt = time.perf_counter() - t0
+            sleep_s = self._sleep()
+        eps = []
+        for i, (o, prob) in enumerate(zip(outs, problems)):
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                lps = [pos[t].logprob for pos, t in zip(c.logprobs, ids)]
+                text = self.tok.decode([t for t in ids if t < len(self.tok)], skip_special_tokens=True)
+                eps.append(Episode(prompt_id=prob.id, group=i, target=prob.answer, prompt_ids=prompts[i],
+                                   response_ids=ids, behaviour_logprobs=lps, text=text, policy_version=self.version,
+                                   truncated=c.finish_reason == "length"))
+        ntok = sum(len(e.response_ids) for e in eps)
+        return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": wake_s, "sleep_s": sleep_s}
+
+    @endpoint
+    async def bench_raw(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
+        """Raw ``LLM.generate`` on token-id prompts (no chat formatting, no episodes, no actor
+        message of results), ``ignore_eos``: the engine's own throughput, for the benchmark."""
+        async with self.lock:
+            self._wake(["weights", "kv_cache"])
+            t0 = time.perf_counter()
+            outs = self._generate(prompts, self._sampling(n, max_tokens, ignore_eos=True))
+            dt = time.perf_counter() - t0
+        ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"s": dt, "tokens": ntok, "tok_s": ntok / dt}
+
+    @endpoint
+    async def bench_actor(self, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[list[Episode], dict]:
+        """The same request as :meth:`bench_raw` through this actor's episode path (token ids,
+        logprob extraction, Episode objects returned over Monarch): time it from the caller."""
+        async with self.lock:
+            self._wake(["weights", "kv_cache"])
+            t0 = time.perf_counter()
+            outs = self._generate(prompts, self._sampling(n, max_tokens, ignore_eos=True))
+            dt = time.perf_counter() - t0
+        eps = []
+        for i, o in enumerate(outs):
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                eps.append(Episode(prompt_id=str(i), group=i, target="", prompt_ids=prompts[i], response_ids=ids,
+                                   behaviour_logprobs=[pos[t].logprob for pos, t in zip(c.logprobs, ids)], text="",
+                                   policy_version=self.version, truncated=c.finish_reason == "length"))
+        ntok = sum(len(e.response_ids) for e in eps)
+        return eps, {"s": dt, "tokens": ntok, "tok_s": ntok / dt}
+
+    # ---- weights ------------------------------------------------------------------------------
+    @endpoint
+    async def update_weights(self, handle: WeightHandle) -> dict:
+        """Apply weight version ``handle.version`` in place (no engine restart), then reset the
+        prefix cache. Returns ``{"version", "sync_s", "sync_gb_s", "mode", "wake_s"}``; ``sync_s``
+        is the load alone (wake-up excluded, reported apart)."""
+        async with self.lock:
+            wake_s = self._wake(["weights"])
+            t0 = time.perf_counter()
+            if handle.same_host():
+                r = self.llm.apply_model(lambda m, h=handle, b=self.bucket_bytes: _load_ipc(m, h, b))[0]
+            elif handle.buffer is not None:
+                import torch
+
+                flat = torch.empty(handle.nbytes, dtype=torch.uint8, device="cuda")
+                await handle.buffer.read_into(flat)
+                flat = flat.view(getattr(torch, handle.dtype))
+                r = self.llm.apply_model(lambda m, f=flat, l=handle.layout: _load_flat(m, f, l))[0]
+            else:
+                raise ValueError("weight handle has neither a same-host CUDA IPC handle nor an RDMA buffer")
+            self.llm.reset_prefix_cache()
+            dt = time.perf_counter() - t0
+            self.version = handle.version
+            self.layout = handle.layout
+        return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9, "wake_s": wake_s, **r}
+
+    @endpoint
+    async def release(self) -> float:
+        """Colocated mode: put the engine to sleep now (frees the KV cache). Returns seconds."""
+        async with self.lock:
+            return self._sleep()
+
+    @endpoint
+    async def get_version(self) -> int:
+        """The policy version currently loaded."""
+        return self.version
+
+    @endpoint
+    async def info(self) -> dict:
+        """``{"startup_s", "tp", "device", "colocated"}``."""
+        import torch
+
+        return {"startup_s": self.startup_s, "tp": self.tp, "device": torch.cuda.get_device_name(0),
+                "colocated": self.colocated}
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        """sha256 of the loaded weights in the last handle's HF layout (TP=1 only; else ``""``):
+        equals the trainer's :meth:`weights_digest` when the two hold the same bits."""
+        if self.layout is None or self.tp > 1:
+            return ""
+        async with self.lock:
+            self._wake(["weights"])
+            return self.llm.apply_model(lambda m, l=self.layout, h=self.hf: _digest(m, l, h))[0]
+
+    @endpoint
+    async def state_dict(self) -> dict:
+        """The loaded weights as ``{hf_name: tensor}`` on the CPU (TP=1; for tests on small models)."""
+        async with self.lock:
+            self._wake(["weights"])
+            return self.llm.apply_model(lambda m, l=self.layout, h=self.hf: _state_dict(m, l, h))[0]

@@ -1,0 +1,353 @@
+"""TorchTitan models for the GPU path: the registry's architectures as TorchTitan 0.2.2 modules,
+HF safetensors in and out through TorchTitan's state-dict adapters, FSDP2 / TP / activation
+checkpointing through TorchTitan's own ``parallelize_*`` functions, and response logprobs.
+
+Which TorchTitan model serves which registry entry (:func:`titan_model_args`):
+
+- Qwen3 (``model_type=qwen3``): ``torchtitan.models.qwen3.Qwen3Model`` with the source's sizes.
+- Llama with plain RoPE (SmolLM2-135M: tied embeddings, head_dim 64): also ``Qwen3Model``, with
+  ``qk_norm=False``. Without q/k norms TorchTitan's Qwen3 block *is* the HF Llama block (same
+  rotate-half RoPE, no biases, SwiGLU, RMSNorm), and it has the tied-embedding option that
+  TorchTitan's Llama3 model lacks; the Qwen3 adapter's HF names are Llama's names.
+- Llama 3.1 (``rope_scaling.rope_type=llama3``): ``torchtitan.models.llama3.Transformer`` (its
+  RoPE scaling) with ``Llama3StateDictAdapter`` (which permutes wq/wk between the layouts).
+
+Why TorchTitan 0.2.2: 0.3.0 imports ``DataParallelMeshDims`` from torch, which the GPU image's
+torch 2.11 lacks (ImportError at import), and on CPU 0.3.0 only offers flex/varlen attention,
+whose backward is not implemented on CPU; 0.2.2 runs on torch 2.11 (GPU) and 2.13 (CPU).
+
+Published weights are always in HF names and layout (what vLLM's ``load_weights`` takes), in
+:func:`hf_layout` order; tied embeddings appear once (``model.embed_tokens.weight``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from forge_core.models import hf_config_dict, spec_of
+
+_STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without activation-checkpoint / compile / FSDP wrapper prefixes."""
+    for s in _STRIP:
+        name = name.replace(s, "")
+    return name
+
+
+@dataclass
+class TitanSpec:
+    """What :func:`build_model` builds: ``family`` (``"qwen3"`` or ``"llama3"``), TorchTitan
+    model args, and the HF config fields it mirrors."""
+
+    family: str
+    args: Any
+    hf: dict
+
+
+def _llama3_ffn(dim: int, multiple_of: int, mult: Optional[float]) -> int:
+    hidden = int(2 * 4 * dim / 3)
+    if mult is not None:
+        hidden = int(mult * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
+    """TorchTitan model args of registry model ``name`` (see the module docstring).
+
+    Raises:
+        ValueError: if the architecture has no TorchTitan counterpart here.
+    """
+    hf = hf_config_dict(name)
+    mt = hf["model_type"]
+    scaling = (hf.get("rope_scaling") or {}).get("rope_type")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if mt == "llama" and scaling == "llama3":
+        from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+
+        dim = hf["hidden_size"]
+        for multiple_of, mult in ((1024, 1.3), (256, None), (1024, None), (256, 1.3), (4096, 1.3)):
+            if _llama3_ffn(dim, multiple_of, mult) == hf["intermediate_size"]:
+                break
+        else:
+            raise ValueError(f"{name}: intermediate_size {hf['intermediate_size']} not expressible in TorchTitan Llama3")
+        rs = hf["rope_scaling"]
+        args = TransformerModelArgs(
+            dim=dim, n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf["num_key_value_heads"], vocab_size=hf["vocab_size"], multiple_of=multiple_of,
+            ffn_dim_multiplier=mult, norm_eps=hf["rms_norm_eps"], rope_theta=hf["rope_theta"],
+            rope_scaling_args=RoPEScalingArgs(scaling_factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
+                                              high_freq_factor=rs["high_freq_factor"],
+                                              original_max_position_embeddings=rs["original_max_position_embeddings"]),
+            max_seq_len=max_seq_len)
+        if hf.get("tie_word_embeddings"):
+            raise ValueError(f"{name}: TorchTitan's Llama3 model has no tied embeddings")
+        return TitanSpec("llama3", args, hf)
+    if mt in ("qwen3", "llama") and not scaling:
+        from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+        args = Qwen3ModelArgs(
+            dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf["num_key_value_heads"], vocab_size=hf["vocab_size"], head_dim=head_dim,
+            hidden_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"], rope_theta=hf["rope_theta"],
+            qk_norm=mt == "qwen3", max_seq_len=max_seq_len, enable_weight_tying=bool(hf.get("tie_word_embeddings")))
+        return TitanSpec("qwen3", args, hf)
+    raise ValueError(f"{name}: model_type={mt!r} rope_scaling={scaling!r} has no TorchTitan model here")
+
+
+def state_dict_adapter(spec: TitanSpec):
+    """TorchTitan's HF state-dict adapter for ``spec`` (``to_hf`` / ``from_hf``)."""
+    if spec.family == "llama3":
+        from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+        return Llama3StateDictAdapter(spec.args, None)
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(spec.args, None)
+
+
+def hf_layout(spec: TitanSpec) -> list[tuple[str, tuple, int]]:
+    """``[(hf_name, shape, numel)]`` of the published weights, in a fixed order (layer by layer,
+    HF's own order), tied ``lm_head`` left out. Computed from the config alone (no model)."""
+    h = spec.hf
+    D, I, V = h["hidden_size"], h["intermediate_size"], h["vocab_size"]
+    hd = h.get("head_dim") or D // h["num_attention_heads"]
+    q, kv = h["num_attention_heads"] * hd, h["num_key_value_heads"] * hd
+    out = [("model.embed_tokens.weight", (V, D))]
+    for i in range(h["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (q, D)), (p + "self_attn.k_proj.weight", (kv, D)),
+                (p + "self_attn.v_proj.weight", (kv, D)), (p + "self_attn.o_proj.weight", (D, q))]
+        if h["model_type"] == "qwen3":
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out += [(p + "mlp.gate_proj.weight", (I, D)), (p + "mlp.up_proj.weight", (I, D)),
+                (p + "mlp.down_proj.weight", (D, I)), (p + "input_layernorm.weight", (D,)),
+                (p + "post_attention_layernorm.weight", (D,))]
+    out.append(("model.norm.weight", (D,)))
+    if not h.get("tie_word_embeddings"):
+        out.append(("lm_head.weight", (V, D)))
+    return [(n, s, math.prod(s)) for n, s in out]
+
+
+def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, parallelize=None,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The TorchTitan model on ``device``: built on the meta device, ``parallelize(model)`` applied
+    there (FSDP / TP / AC, optional), then ``to_empty`` and ``init_weights`` (seeded), in ``dtype``."""
+    if spec.family == "llama3":
+        from torchtitan.models.llama3.model.model import Transformer as cls
+    else:
+        from torchtitan.models.qwen3.model.model import Qwen3Model as cls
+    with torch.device("meta"):
+        model = cls(spec.args)
+    if dtype != torch.float32:
+        model.to(dtype)
+    if parallelize is not None:
+        model = parallelize(model) or model
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    return model
+
+
+def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None, dtype: Optional[torch.dtype] = None,
+                     full: bool = True) -> Iterable[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every parameter, converted by the state-dict adapter (one
+    parameter at a time, so at most one full tensor is alive). With FSDP/TP (DTensor parameters)
+    every rank must iterate (each ``full_tensor`` is a collective). ``dtype`` casts before gathering."""
+    adapter = adapter or state_dict_adapter(spec)
+    from torch.distributed.tensor import DTensor
+
+    seen = set()
+    for name, p in model.named_parameters():
+        name = clean_name(name)
+        t = p.detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        if full and isinstance(t, DTensor):
+            t = t.full_tensor()
+        for k, v in adapter.to_hf({name: t}).items():
+            if k not in seen:
+                seen.add(k)
+                yield k, v
+
+
+def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> None:
+    """Load HF-named full tensors into ``model`` (plain or FSDP/TP-sharded) through the adapter.
+
+    Raises:
+        ValueError: naming missing or unexpected keys.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    adapter = state_dict_adapter(spec)
+    sd = adapter.from_hf(dict(hf_sd))
+    params = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    missing = [n for n in params if n not in sd]
+    unexpected = [n for n in sd if n not in params]
+    if missing or unexpected:
+        raise ValueError(f"HF weights do not match the TorchTitan model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            src = sd[n]
+            if isinstance(p, DTensor):
+                src = distribute_tensor(src.to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements)
+                p.to_local().copy_(src.to_local())
+            else:
+                p.copy_(src.to(p.device, p.dtype))
+
+
+def load_hf_dir(model: torch.nn.Module, spec: TitanSpec, path: str) -> None:
+    """Load ``*.safetensors`` of an HF checkpoint directory into ``model``."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    sd = {}
+    for f in files:
+        sd.update(load_file(f))
+    load_hf_state_dict(model, spec, sd)
+
+
+def job_config(seq_len: int, ac: bool, tp: int = 1, compile: bool = False):
+    """A TorchTitan ``JobConfig`` holding only what ``parallelize_*`` reads here: bf16 params with
+    fp32 reductions (FSDP2 mixed precision), full activation checkpointing or none, compile, TP."""
+    from torchtitan.config import JobConfig
+
+    jc = JobConfig()
+    jc.training.seq_len = seq_len
+    jc.training.mixed_precision_param = "bfloat16"
+    jc.training.mixed_precision_reduce = "float32"
+    jc.activation_checkpoint.mode = "full" if ac else "none"
+    jc.compile.enable = compile
+    jc.compile.components = ["model"] if compile else []
+    jc.parallelism.tensor_parallel_degree = tp
+    jc.parallelism.disable_loss_parallel = True  # logits come back whole: logprobs gather over the vocab
+    return jc
+
+
+def parallelize_fn(spec: TitanSpec, world_size: int, tp: int, ac: bool, seq_len: int, compile: bool = False):
+    """A ``model -> model`` function applying TorchTitan's own parallelisation for ``spec``:
+    FSDP2 over ``world_size // tp`` ranks (bf16 params, fp32 reduce), TP of ``tp``, full AC.
+    Needs ``torch.distributed`` initialised when ``world_size > 1``. ``None`` when nothing applies."""
+    if world_size == 1 and not ac and not compile:
+        return None
+    jc = job_config(seq_len, ac, tp, compile)
+    if world_size == 1:
+        def one(model):
+            if ac:
+                from torchtitan.distributed.activation_checkpoint import apply_ac
+
+                apply_ac(model, jc.activation_checkpoint)
+            if compile:
+                for name, block in model.layers.named_children():
+                    model.layers.register_module(name, torch.compile(block, fullgraph=True))
+            return model
+
+        return one
+    from torchtitan.distributed import ParallelDims
+
+    if world_size % tp:
+        raise ValueError(f"trainer.tp={tp} must divide the trainer's {world_size} GPUs")
+    pd = ParallelDims(dp_replicate=1, dp_shard=world_size // tp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size)
+    pd.build_mesh()
+    if spec.family == "llama3":
+        from torchtitan.models.llama3.infra.parallelize import parallelize_llama as fn
+    else:
+        from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3 as fn
+    return lambda model: fn(model, pd, jc)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class PositionSelect:
+    """A forward pre-hook on the output layer that keeps only the hidden states at the given flat
+    positions, so the vocabulary projection runs on response tokens alone (saves ~P/(P+R) of it
+    and the [B, T, V] logits). Inert while ``idx`` is ``None``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.idx: Optional[torch.Tensor] = None
+        self.handle = model.output.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if self.idx is None:
+            return None
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1]).index_select(0, self.idx),)
+
+
+def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperature: float, device: torch.device,
+                      select: Optional[PositionSelect] = None, pad_id: int = 0) -> torch.Tensor:
+    """``[B, R]`` float32 logprobs of each episode's response tokens (columns ``0..R_i-1``, as in
+    :func:`forge_core.episode.collate`), under a TorchTitan model.
+
+    TorchTitan's SDPA attention is causal with no padding mask, so rows are laid out
+    *right*-padded (prompt, response, padding): real tokens never attend to padding, and
+    positions start at 0 in every row, as in the generator. Only response positions reach the
+    output layer when ``select`` (a :class:`PositionSelect` on this model) is given.
+    """
+    B = len(episodes)
+    lens = [len(e.prompt_ids) + len(e.response_ids) for e in episodes]
+    T = _round_up(max(lens), 64)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    rows, cols, tgt, outc = [], [], [], []
+    for i, e in enumerate(episodes):
+        p, r = len(e.prompt_ids), len(e.response_ids)
+        ids[i, :p + r] = torch.tensor(list(e.prompt_ids) + list(e.response_ids), dtype=torch.long)
+        rows += [i] * r
+        cols += range(p - 1, p + r - 1)
+        outc += range(r)
+        tgt += e.response_ids
+    ids = ids.to(device, non_blocking=True)
+    flat = torch.tensor([r * T + c for r, c in zip(rows, cols)], dtype=torch.long).to(device)
+    target = torch.tensor(tgt, dtype=torch.long).to(device)
+    if select is not None:
+        select.idx = flat
+        try:
+            logits = model(ids)
+        finally:
+            select.idx = None
+    else:
+        logits = model(ids)
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = logits.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    out = torch.zeros(B, R, device=device, dtype=torch.float32)
+    out = out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
+    return out
+
+
+def flops_per_token(spec: TitanSpec, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 6 N plus attention 12 L d_attn T), as in
+    TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once."""
+    n = sum(numel for *_, numel in hf_layout(spec)) - spec.hf["vocab_size"] * spec.hf["hidden_size"]
+    n += spec.hf["vocab_size"] * spec.hf["hidden_size"]  # the output projection is a matmul either way
+    h = spec.hf
+    hd = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
+    return 6 * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def peak_tflops(device_name: str) -> float:
+    """Dense bf16 datasheet peak of a GPU named like ``NVIDIA H100 80GB HBM3`` (0 if unknown)."""
+    for k, v in PEAK_BF16_TFLOPS.items():
+        if k in device_name:
+            return v
+    return 0.0
