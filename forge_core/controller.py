@@ -433,10 +433,11 @@ class Controller:
                        "wait_for_rollout_s": wait_s, "weight_sync_s": prev_sync.get("sync_s", 0.0),
                        "weight_sync_gb_s": prev_sync.get("sync_gb_s", 0.0), "generator_version": self.gen_version,
                        "zero_variance_groups": sum(r.get("zero_variance_groups", 0) for r in ro),
+                       "dropped_groups": sum(r.get("dropped_groups", 0) for r in ro),
                        "step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
                        "startup_s": startup_s}
                 log.log(row)  # before the checkpoint: a resume keeps this row (no gap)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.steps:
+                if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
                     await self._quiesce()
                     await self.save_checkpoint()
                     async with self.changed:

@@ -236,6 +236,7 @@ def load_tokenizer(cfg: Any):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
+    tok.clean_up_tokenization_spaces = False  # a no-op for BPE tokenizers, which transformers warns about
     return tok
 
 

@@ -26,6 +26,30 @@ _MAX_KEYS = ("ratio_max", "kl_max")
 _MIN_KEYS = ("ratio_min",)
 
 
+def _loss_share(aggregation: str, b, total_rows: int, total_tokens: float) -> float:
+    """The weight of a micro-batch's loss in the whole batch's: its share of the tokens
+    (``token_mean``), of the non-empty rows (``seq_mean``) or of all rows (``fixed_horizon``)."""
+    if aggregation == "token_mean":
+        return float(b.response_mask.sum()) / max(total_tokens, 1.0)
+    if aggregation == "seq_mean":
+        return float((b.response_mask.sum(-1) > 0).sum()) / max(total_rows, 1)
+    return b.response_mask.shape[0] / max(total_rows, 1)
+
+
+def _accumulate(agg: dict, m: dict, share: float) -> None:
+    """Fold one micro-batch's metrics into ``agg``: sums, maxima, minima, else share-weighted means."""
+    for k, v in m.items():
+        v = float(v)
+        if k in _SUM_KEYS:
+            agg[k] = agg.get(k, 0.0) + v
+        elif k in _MAX_KEYS:
+            agg[k] = max(agg.get(k, -float("inf")), v)
+        elif k in _MIN_KEYS:
+            agg[k] = min(agg.get(k, float("inf")), v)
+        else:
+            agg[k] = agg.get(k, 0.0) + share * v
+
+
 class Trainer(Actor):
     """Holds the policy (fp32 master weights) and its AdamW state.
 
@@ -52,13 +76,6 @@ class Trainer(Actor):
         self.loss_cfg = OmegaConf.create(loss)
         self.autocast = t.compute_dtype == "bfloat16"
 
-    def _rows_share(self, chunk_b, total_rows: int, total_tokens: float) -> float:
-        if self.loss_cfg.aggregation == "token_mean":
-            return float(chunk_b.response_mask.sum()) / max(total_tokens, 1.0)
-        if self.loss_cfg.aggregation == "seq_mean":
-            return float((chunk_b.response_mask.sum(-1) > 0).sum()) / max(total_rows, 1)
-        return chunk_b.response_mask.shape[0] / max(total_rows, 1)
-
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> dict:
         """One optimizer step on ``episodes`` (which carry advantages, behaviour and ref logprobs).
@@ -77,7 +94,7 @@ class Trainer(Actor):
         self.opt.zero_grad(set_to_none=True)
         for chunk in chunks:
             b = collate(chunk, self.pad_id)
-            share = self._rows_share(b, total_rows, total_tokens)
+            share = _loss_share(self.loss_cfg.aggregation, b, total_rows, total_tokens)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
                 lp = response_logprobs(self.model, b.input_ids, b.attention_mask, b.prompt_len,
                                        self.cfg.generator.temperature)
@@ -88,15 +105,7 @@ class Trainer(Actor):
             (loss * share).backward()
             m["loss"] = loss.item()
             m["train_tokens"] = float(b.response_mask.sum())
-            for k, v in m.items():
-                if k in _SUM_KEYS:
-                    agg[k] = agg.get(k, 0.0) + v
-                elif k in _MAX_KEYS:
-                    agg[k] = max(agg.get(k, -float("inf")), v)
-                elif k in _MIN_KEYS:
-                    agg[k] = min(agg.get(k, float("inf")), v)
-                else:
-                    agg[k] = agg.get(k, 0.0) + share * v
+            _accumulate(agg, m, share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.max_grad_norm)
         if not torch.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)
@@ -239,13 +248,6 @@ class TitanTrainer(Actor):
         self.autocast = t.compute_dtype == "bfloat16" and self.world == 1
         self.peak_mem_gb = 0.0
 
-    def _rows_share(self, b, total_rows: int, total_tokens: float) -> float:
-        if self.loss_cfg.aggregation == "token_mean":
-            return float(b.response_mask.sum()) / max(total_tokens, 1.0)
-        if self.loss_cfg.aggregation == "seq_mean":
-            return float((b.response_mask.sum(-1) > 0).sum()) / max(total_rows, 1)
-        return b.response_mask.shape[0] / max(total_rows, 1)
-
     def _reduce(self, agg: dict) -> dict:
         if self.world == 1:
             return agg
@@ -280,7 +282,7 @@ class TitanTrainer(Actor):
         self.opt.zero_grad(set_to_none=True)
         for chunk in chunks:
             b = collate(chunk, 0)
-            share = self._rows_share(b, total_rows, total_tokens)
+            share = _loss_share(self.loss_cfg.aggregation, b, total_rows, total_tokens)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                 lp = titan.response_logprobs(self.model, chunk, b.response_mask.shape[1], self.cfg.generator.temperature,
                                              self.device, self.select)
@@ -293,16 +295,7 @@ class TitanTrainer(Actor):
                 raise FloatingPointError(f"trainer: non-finite loss {m['loss']} at policy version {self.version}")
             m["train_tokens"] = float(b.response_mask.sum())
             seq_tokens += sum(len(e.prompt_ids) + len(e.response_ids) for e in chunk)
-            for k, v in m.items():
-                v = float(v)
-                if k in _SUM_KEYS:
-                    agg[k] = agg.get(k, 0.0) + v
-                elif k in _MAX_KEYS:
-                    agg[k] = max(agg.get(k, -float("inf")), v)
-                elif k in _MIN_KEYS:
-                    agg[k] = min(agg.get(k, float("inf")), v)
-                else:
-                    agg[k] = agg.get(k, 0.0) + share * v
+            _accumulate(agg, m, share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
