@@ -1,0 +1,25 @@
+"""Test data: the real GSM8K copy when ``GSM8K_DIR`` names one (CI: ``../shared/data/gsm8k``);
+otherwise a small synthetic set in GSM8K's own JSONL format, so a clone without the shared data
+still runs every test end to end (the tests use a random tiny model and do not need real questions)."""
+
+import json
+import os
+import random
+import tempfile
+
+
+def _synthetic_gsm8k() -> str:
+    d = tempfile.mkdtemp(prefix="forge-gsm8k-")
+    rng = random.Random(0)
+    for split, n in (("train", 256), ("test", 64)):
+        with open(os.path.join(d, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                a, b = rng.randint(2, 99), rng.randint(2, 99)
+                f.write(json.dumps({"question": f"Sam has {a} apples and buys {b} more. How many apples does he have?",
+                                    "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}) + "\n")
+    return d
+
+
+if not os.path.isdir(os.environ.get("GSM8K_DIR", "")):
+    os.environ["GSM8K_DIR"] = _synthetic_gsm8k()
+    os.environ["FORGE_SYNTHETIC_GSM8K"] = "1"
