@@ -224,8 +224,8 @@ def recipe_dir(recipe: str) -> str:
         ConfigError: if the folder or its ``config.yaml`` does not exist.
     """
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
-    d = recipe if os.sep in recipe or os.path.isdir(recipe) and not os.path.isdir(os.path.join(root, recipe)) else os.path.join(root, recipe)
-    d = os.path.abspath(d)
+    named = os.path.join(root, recipe)
+    d = os.path.abspath(named if os.sep not in recipe and os.path.isdir(named) else recipe)
     if not os.path.isfile(os.path.join(d, "config.yaml")):
         known = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "config.yaml"))) if os.path.isdir(root) else []
         raise ConfigError(f"recipe {recipe!r}: {os.path.join(d, 'config.yaml')} not found (recipes: {known})")

@@ -376,7 +376,8 @@ class Controller:
         global SHUTTING_DOWN
         SHUTTING_DOWN = True
         try:
-            for p in getattr(self, "svc", Services(*[None] * 5, procs=[])).procs:
+            svc = getattr(self, "svc", None)  # absent when spawning failed
+            for p in svc.procs if svc is not None else []:
                 try:
                     await asyncio.wait_for(p.stop(), timeout=30)
                 except Exception:
