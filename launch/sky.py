@@ -34,24 +34,25 @@ the cluster's own disk (``~/sky_workdir/runs/<recipe>/<run id>``) and a recovery
 Which recipe does a task run? (decision)
     SkyPilot 0.14.1 resolves ``workdir: .`` against the *current directory* of ``sky launch``
     (``Task.expand_and_validate_workdir`` calls ``os.path.abspath``), not against the task file's
-    folder, and it sends the cluster the task file's *contents*, never its path: no variable on
-    the cluster names the YAML that was launched (checked in sky/task.py, sky/utils/dag_utils.py,
-    sky/backends/task_codegen.py). So ``sky launch`` runs from the repository root, the whole
-    repository is the workdir, and the recipe is found on the cluster like this:
+    folder, and it sends the cluster the task file's *contents*, never its path (checked in
+    sky/task.py, sky/utils/dag_utils.py, sky/backends/task_codegen.py). So ``sky launch`` runs
+    from the repository root, the whole repository is the workdir, and the recipe is:
 
-    1. ``FORGE_RECIPE`` when set. ``make sky RECIPE=x`` always sets it, and so can
-       ``sky launch recipes/x/sky.yaml --env FORGE_RECIPE=x``.
-    2. Otherwise the recipe folder under ``recipes/`` (one with a config.yaml and a sky.yaml) whose
-       layout, after ``FORGE_ARGS``, matches the cluster SkyPilot gave the task
-       (``SKYPILOT_NUM_NODES`` x ``SKYPILOT_NUM_GPUS_PER_NODE``): every shipped recipe has its own
-       shape, so a plain ``sky launch recipes/<name>/sky.yaml`` runs that recipe.
-    3. Several folders fit (a byte-identical copy, ``cp -r recipes/a recipes/b``, fits wherever its
-       original does) or none: the run stops, listing them and saying to pass ``FORGE_RECIPE``.
-       ``setup:`` ends with the same check, so this fails before the run starts.
+    1. ``FORGE_RECIPE`` when set. ``make sky RECIPE=x`` always sets it; a plain
+       ``sky launch recipes/x/sky.yaml`` gets it from the client-side admin policy that the
+       project config ``.sky.yaml`` names (:mod:`launch.sky_policy`: the task file's folder,
+       read from the command line before the request leaves the client), so an unchanged copy
+       (``cp -r recipes/a recipes/b``) runs ``b``; ``--env FORGE_RECIPE=x`` overrides both.
+    2. Otherwise (the Python API, a ``sky`` run elsewhere) the recipe folder under ``recipes/``
+       (with a config.yaml and a sky.yaml) whose layout, after ``FORGE_ARGS``, matches the cluster
+       SkyPilot gave the task (``SKYPILOT_NUM_NODES`` x ``SKYPILOT_NUM_GPUS_PER_NODE``): every
+       shipped recipe has its own shape.
+    3. Several folders fit (a copy fits wherever its original does) or none: the run stops,
+       listing them and saying to pass ``FORGE_RECIPE``. ``setup:`` ends with the same check, so
+       this fails before the run starts.
 
-    Rejected: naming the recipe inside sky.yaml (a copy would silently run the original); a
-    client-side SkyPilot admin policy reading ``sys.argv`` (breaks ``sky`` wherever this package
-    is not importable); resolving by modification time (silently wrong).
+    Rejected: naming the recipe inside sky.yaml (a copy would silently run the original);
+    resolving by modification time (silently wrong).
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ def resolve_recipe(nodes: int, gpus_per_node: int, overrides: Sequence[str] = ()
         except ConfigError as e:
             skipped.append(f"{_rel(d, root)} ({str(e)[:200]})")
     shape = f"{nodes} node(s) x {gpus_per_node} GPU(s)"
-    how = ("SkyPilot sends the cluster the task file's contents, not its path, so name the recipe "
-           "folder: launch with --env FORGE_RECIPE=<folder under recipes/> "
-           "(`make sky RECIPE=<folder>` does this)")
+    how = ("SkyPilot sends the cluster the task file's contents, not its path, and FORGE_RECIPE is "
+           "empty: run `sky launch recipes/<folder>/sky.yaml` from the repository root (its "
+           ".sky.yaml policy sets FORGE_RECIPE), or `make sky RECIPE=<folder>`, or add "
+           "--env FORGE_RECIPE=<folder under recipes/>")
     if len(fits) == 1:
         return fits[0]
     if not fits:

@@ -7,8 +7,10 @@ whose ``sky_workdir`` is a copy of the repository filtered by .gitignore (what `
 rsyncs) and whose ``forge-venv`` is this repository's .venv (what ``setup:`` builds). Nothing
 in the run: section is changed for the tests.
 
-Fast tests: validity of every task file (SkyPilot's own parser, offline), recipe resolution,
-dry run, bad input (malformed file, gated model without HF_TOKEN, an ambiguous copy).
+Fast tests: validity of every task file (SkyPilot's own parser, offline), recipe resolution
+(the client-side policy of .sky.yaml for a plain ``sky launch`` of a copied folder, the cluster's
+layout match otherwise), dry run, bad input (malformed file, gated model without HF_TOKEN, an
+ambiguous copy launched without the policy).
 Slow tests: a copied recipe folder trains with its own config and a second run with the same
 SKYPILOT_TASK_ID resumes from its checkpoint (one node, no root needed); two network-namespace
 hosts (fr-node3, fr-node4 from cluster/dev/netns.sh, 10.77.0.13-14, root) run one Monarch mesh
@@ -132,6 +134,34 @@ def recipe_file(name: str) -> Path:
     return ROOT / "recipes" / name / "sky.yaml"
 
 
+# What `sky launch ARGV` does on the client before anything leaves it: SkyPilot reads the task
+# file (with --env/--secret overrides) and applies the client-side admin policy named by the
+# project config .sky.yaml of the current directory (launch/sky_policy.py). Run in a subprocess
+# whose current directory is the user's clone, as the sky CLI is.
+_CLIENT = """
+import json, sys
+from sky.utils import admin_policy_utils, dag_utils
+from sky.server.requests import request_names
+argv = json.loads(sys.argv[1])
+sys.argv = argv
+entry = next(a for a in argv[2:] if a.endswith('.yaml'))
+pairs = lambda flag: [tuple(argv[i + 1].split('=', 1)) for i, a in enumerate(argv) if a == flag]
+secrets = [(k, v) for k, v in pairs('--secret')]
+dag = dag_utils.load_chain_dag_from_yaml(entry, env_overrides=pairs('--env'), secret_overrides=secrets or None)
+dag, _ = admin_policy_utils.apply(dag, request_names.AdminPolicyRequestName.CLUSTER_LAUNCH, at_client_side=True)
+print('ENVS=' + json.dumps(dag.tasks[0].envs))
+"""
+
+
+def client_side(workdir: Path, *argv: str) -> tuple[int, dict, str]:
+    """``(exit code, task envs after the client policy, stderr)`` of ``sky launch *argv`` in ``workdir``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYPILOT_")}
+    p = subprocess.run([PY, "-c", _CLIENT, json.dumps(["sky", "launch", *argv])], cwd=workdir,
+                       capture_output=True, text=True, env=env, timeout=120)
+    envs = next((json.loads(l[5:]) for l in p.stdout.splitlines() if l.startswith("ENVS=")), {})
+    return p.returncode, envs, p.stderr
+
+
 def _metrics(run_dir: Path) -> list[int]:
     return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
@@ -196,6 +226,51 @@ def test_copy_resolution_is_never_silently_wrong(tmp_path):
         ls.resolve_recipe(1, 3, env={}, root=str(wd))
     assert "recipes/my_exp" in str(e.value) and "recipes/qwen3_1_7b" in str(e.value)
     assert "--env FORGE_RECIPE=" in str(e.value)
+
+
+def test_plain_sky_launch_of_a_copy_runs_the_copy(tmp_path):
+    # cp -r recipes/qwen3_1_7b recipes/my_exp && sky launch recipes/my_exp/sky.yaml: the project
+    # config .sky.yaml makes SkyPilot apply launch/sky_policy.py on the client, which sets
+    # FORGE_RECIPE from the task file's folder; the cluster then runs that folder.
+    wd = make_node_home(tmp_path, {"my_exp": "qwen3_1_7b", "gated_copy": "llama3_8b"}) / "sky_workdir"
+    assert (wd / ".sky.yaml").is_file()
+    rc, envs, err = client_side(wd, "-c", "forge", "recipes/my_exp/sky.yaml")
+    assert rc == 0, err
+    assert envs["FORGE_RECIPE"] == "recipes/my_exp" and "[forge] recipe recipes/my_exp" in err
+    assert Path(ls.resolve_recipe(1, 3, env=envs, root=str(wd))).name == "my_exp"
+    rc, envs, err = client_side(wd, "recipes/qwen3_1_7b/sky.yaml", "--env", "FORGE_ARGS=steps=3")
+    assert rc == 0 and envs["FORGE_RECIPE"] == "recipes/qwen3_1_7b" and envs["FORGE_ARGS"] == "steps=3", err
+    # An explicit --env FORGE_RECIPE (and make sky, which always sets it) wins.
+    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml", "--env", "FORGE_RECIPE=qwen3_1_7b")
+    assert rc == 0 and envs["FORGE_RECIPE"] == "qwen3_1_7b" and "[forge]" not in err, err
+    # A gated model without --secret HF_TOKEN is refused on the client, before any provisioning.
+    rc, envs, err = client_side(wd, "recipes/gated_copy/sky.yaml")
+    assert rc != 0 and "--secret HF_TOKEN" in err and "UserRequestRejectedByPolicy" in err, err
+    rc, envs, err = client_side(wd, "recipes/gated_copy/sky.yaml", "--secret", "HF_TOKEN=hf_x")
+    assert rc == 0 and envs["FORGE_RECIPE"] == "recipes/gated_copy", err
+    # A recipe folder outside the workdir would reach the cluster without its config.yaml.
+    shutil.copytree(wd / "recipes" / "qwen3_1_7b", tmp_path / "elsewhere")
+    rc, envs, err = client_side(wd, str(tmp_path / "elsewhere" / "sky.yaml"))
+    assert rc != 0 and "not inside the task's workdir" in err and str(tmp_path / "elsewhere") in err, err
+
+
+@pytest.mark.slow
+def test_sky_cli_applies_the_recipe_policy(tmp_path):
+    # The real `sky launch --dryrun` from a clone with a copied recipe: the CLI loads .sky.yaml and
+    # applies the policy before its request leaves the client (offline, the dry run itself then
+    # stops at SkyPilot's catalog download or at "no cloud enabled"; neither is tested here).
+    wd = make_node_home(tmp_path, {"my_exp": "smollm2_135m"}) / "sky_workdir"
+    sky_bin = Path(sys.executable).with_name("sky")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYPILOT_")}
+    try:
+        p = subprocess.run([str(sky_bin), "launch", "--dryrun", "-y", "-c", "forge-test",
+                            "recipes/my_exp/sky.yaml"], cwd=wd, env=env, capture_output=True,
+                           text=True, timeout=240)
+    finally:
+        subprocess.run([str(sky_bin), "api", "stop"], env=env, capture_output=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert "Applying client admin policy: RecipeFromTaskPath" in out, out[-3000:]
+    assert "[forge] recipe recipes/my_exp (from the task file recipes/my_exp/sky.yaml)" in out, out[-3000:]
 
 
 def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys):
@@ -305,7 +380,8 @@ def test_ambiguous_copy_without_forge_recipe_fails_fast(tmp_path):
 
 @pytest.fixture(scope="module")
 def copied_recipe_runs(tmp_path_factory):
-    """`cp -r recipes/smollm2_135m recipes/my_exp`, edit the copy, run its task twice with one
+    """`cp -r recipes/smollm2_135m recipes/my_exp`, edit the copy, `sky jobs launch` its task file
+    (client side: FORGE_RECIPE from the policy), run it twice with one
     SKYPILOT_TASK_ID (a managed job and its recovery): steps=2, then steps=3; checkpoint bucket
     mounted (FORGE_CKPT_DIR exists)."""
     tmp = tmp_path_factory.mktemp("sky_copy")
@@ -317,9 +393,12 @@ def copied_recipe_runs(tmp_path_factory):
     f = home / "sky_workdir" / "recipes" / "my_exp" / "sky.yaml"
     task_id = "sky-managed-2026-11-21-20-00-00-000000_forge-my-exp_7-0"
     run_dir = bucket / "my_exp" / task_id
+    # `sky jobs launch recipes/my_exp/sky.yaml` from the clone: the client policy names the folder.
+    rc, task_envs, err = client_side(home / "sky_workdir", "recipes/my_exp/sky.yaml")
+    assert rc == 0 and task_envs["FORGE_RECIPE"] == "recipes/my_exp", err
     out, after_first = {}, {}
     for i, steps in enumerate((2, 3)):
-        env = node_env(f, home, 0, ["127.0.0.1"], task_id, FORGE_RECIPE="my_exp",
+        env = node_env(f, home, 0, ["127.0.0.1"], task_id, FORGE_RECIPE=task_envs["FORGE_RECIPE"],
                        FORGE_ARGS=f"{TINY} steps={steps}", FORGE_CKPT_DIR=str(bucket),
                        FORGE_MONARCH_PORT="26731")
         out[i] = run_node(f, env, tmp / f"run{i}.log", timeout=300)

@@ -1,0 +1,124 @@
+"""Client-side SkyPilot admin policy: a task file's folder is its recipe.
+
+SkyPilot 0.14.1 sends the cluster a task file's *contents*, never its path, so an unchanged copy
+(``cp -r recipes/qwen3_1_7b recipes/my_exp``) has nothing on the cluster that tells it apart from
+its original. The path is only known on the machine that runs ``sky launch``. This policy runs
+there: the repository's project config ``.sky.yaml`` (SkyPilot reads it from the current
+directory) names it, and SkyPilot applies a client-side policy to every ``sky launch``,
+``sky exec`` and ``sky jobs launch`` before the request leaves the client, then strips the policy
+from the config it sends, so no API server ever imports this module.
+
+What it does, for a task whose ``FORGE_RECIPE`` is empty (an explicit ``--env FORGE_RECIPE=x``,
+or ``make sky``, always wins):
+
+1. finds the task file on the command line (``sys.argv``: the one existing ``*.yaml``/``*.yml``
+   whose ``run:`` is the parsed task's);
+2. when that file sits in a recipe folder (one holding ``config.yaml``) inside the task's workdir,
+   sets ``FORGE_RECIPE`` to the folder, relative to the workdir (``recipes/my_exp``), and prints
+   one line saying so;
+3. rejects the request, before anything is provisioned, when the folder is outside the workdir
+   (the cluster would not get its config) or when its model is gated and no ``HF_TOKEN`` secret is
+   given (``--secret HF_TOKEN``).
+
+Tasks that are not launched from a file in a recipe folder (other projects' tasks, the Python
+API, ``make sky``'s derived files) pass through unchanged; the cluster side then falls back to the
+layout match in :func:`launch.sky.resolve_recipe`.
+
+Imports only the standard library and SkyPilot at module level, so any Python that has SkyPilot
+and this repository on its path (``make venv``; or ``pip install --no-deps -e .``) can load it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+import sky
+from sky import exceptions
+
+TASK_SUFFIXES = (".yaml", ".yml")
+
+
+def task_file_from_argv(argv: Sequence[str], run: Optional[str]) -> Optional[str]:
+    """The task file named on the command line (absolute path), or None.
+
+    A candidate is an argument naming an existing ``*.yaml``/``*.yml`` file that parses to a
+    mapping whose ``run`` is ``run`` (the parsed task's; SkyPilot re-dumps the YAML text, so the
+    text itself cannot be compared). None unless exactly one file qualifies.
+    """
+    import yaml
+
+    found = []
+    for a in argv[1:]:
+        if a.startswith("-") or not a.endswith(TASK_SUFFIXES) or not os.path.isfile(a):
+            continue
+        try:
+            with open(a, encoding="utf-8") as f:
+                cfg = yaml.safe_load(f)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        if isinstance(cfg, dict) and cfg.get("run") == run and os.path.abspath(a) not in found:
+            found.append(os.path.abspath(a))
+    return found[0] if len(found) == 1 else None
+
+
+def _gated_message(folder: str, task) -> Optional[str]:
+    """launch.sky.gated_without_token for the recipe folder, with the task's secrets as the env.
+
+    None when the recipe is not gated, when the token is given, or when the project's own
+    dependencies (Hydra, the model registry) are not importable in this Python: the cluster's
+    setup check then catches a missing token instead.
+    """
+    try:
+        from forge_core.config import ConfigError, load_config
+        from launch.sky import gated_without_token
+    except ImportError:
+        return None
+    forge_args = (task.envs or {}).get("FORGE_ARGS", "")
+    try:
+        import shlex
+
+        cfg = load_config(folder, shlex.split(forge_args))
+    except (ConfigError, ValueError):
+        return None  # the cluster's check names the bad key; this policy only adds the path
+    secrets = {k: str(v.get_secret_value() if hasattr(v, "get_secret_value") else v)
+               for k, v in (task.secrets or {}).items() if v}
+    return gated_without_token(cfg, secrets)
+
+
+class RecipeFromTaskPath(sky.AdminPolicy):
+    """Set ``FORGE_RECIPE`` from the launched task file's folder; see the module docstring.
+
+    Raises:
+        sky.exceptions.UserRequestRejectedByPolicy: the recipe folder is outside the workdir, or
+            its model is gated and the task has no ``HF_TOKEN`` secret.
+    """
+
+    @classmethod
+    def validate_and_mutate(cls, user_request: sky.UserRequest) -> sky.MutatedUserRequest:
+        task = user_request.task
+        unchanged = sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)
+        envs = task.envs or {}
+        if not user_request.at_client_side or "FORGE_RECIPE" not in envs or envs["FORGE_RECIPE"]:
+            return unchanged
+        path = task_file_from_argv(sys.argv, task.run)
+        if path is None:
+            return unchanged
+        folder = os.path.dirname(path)
+        if not os.path.isfile(os.path.join(folder, "config.yaml")):
+            return unchanged
+        workdir = task.workdir if isinstance(task.workdir, str) else None
+        rel = os.path.relpath(folder, os.path.abspath(workdir)) if workdir else None
+        if rel is None or rel == os.curdir or rel.startswith(os.pardir):
+            raise exceptions.UserRequestRejectedByPolicy(
+                f"recipe folder {folder} is not inside the task's workdir "
+                f"({workdir or 'none'}), so the cluster would not get its config.yaml: "
+                f"run sky launch from the repository root with the folder under recipes/")
+        gated = _gated_message(folder, task)
+        if gated:
+            raise exceptions.UserRequestRejectedByPolicy(gated)
+        task.update_envs({"FORGE_RECIPE": rel})
+        print(f"[forge] recipe {rel} (from the task file {os.path.relpath(path)}): "
+              f"FORGE_RECIPE={rel}", file=sys.stderr, flush=True)
+        return sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)
