@@ -38,6 +38,8 @@ def cfg_overrides(model: str, gpus: int, data_dir: str, extra: list) -> list:
         lay = [f"layout.gpus_per_node={gpus}", "layout.generator.gpus=1", f"layout.trainer.gpus={gpus - 2}",
                "layout.reference.gpus=1", "generator.gpu_memory_utilization=0.8", "max_staleness=0",
                "trainer.activation_checkpointing=true"]
+    # one node: a multi-node recipe (llama3_8b) is measured with every role on node 0
+    lay += ["layout.nodes=1", "layout.generator.host=0", "layout.trainer.host=0", "layout.reference.host=0"]
     return ["model.init=random", "prompts_per_step=16", "generator.group_size=8", "generator.max_response_tokens=1024",
             "generator.max_prompt_tokens=1024", "trainer.micro_batch_size=8", f"data.dir={data_dir}", *lay, *extra]
 
@@ -58,7 +60,7 @@ async def bench(model: str, gpus: int, steps: int, data_dir: str, extra: list) -
         rows.append(dict(what=what, value=value, target=target, device=dev, **kw))
         print(f"| {what} | {value} | {target} | {dev} |", flush=True)
 
-    recipe = {"qwen3_1_7b": "qwen3_1_7b", "qwen3_8b": "qwen3_8b"}.get(model, "qwen3_1_7b")
+    recipe = model if model in ("qwen3_1_7b", "qwen3_8b", "llama3_8b") else "qwen3_1_7b"
     cfg = load_config(recipe, cfg_overrides(model, gpus, data_dir, [f"model.name={model}"] + extra))
     t0 = time.perf_counter()
     svc = await spawn_services(cfg)
