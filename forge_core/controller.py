@@ -128,7 +128,9 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
                     plan.per_node)
         if plan.colocated:
             await call("generator", gen.get_version)  # engine up before the others allocate
-        rdma = L.generator.host != L.trainer.host or L.reference.host != L.trainer.host
+        from forge_core.weight_sync import force_rdma
+
+        rdma = L.generator.host != L.trainer.host or L.reference.host != L.trainer.host or force_rdma()
         port = 29500 + (os.getpid() % 2000)
         nt = len(plan.gpus["trainer"])
         trainer = spawn("trainer", L.trainer.host, TitanTrainer, plain, plan.gpus["trainer"], plan.per_node, port, rdma,

@@ -16,6 +16,10 @@ handle of that buffer (:func:`ipc_handle`), the host name and the GPU's UUID. A 
 same host opens it (:func:`open_ipc`: no host round trip, no copy when it shares the GPU, a
 device-to-device copy over NVLink/PCIe in buckets otherwise, see :func:`ipc_buckets`); a receiver
 on another host reads the same bytes through the RDMA buffer.
+
+``FORGE_WEIGHT_SYNC=rdma`` in the environment makes every receiver take the cross-host path (RDMA
+buffer) even on the sender's host, so one GPU node measures what a multi-node layout will pay
+(``make bench`` with it set; see recipes/llama3_8b/README.md).
 """
 
 from __future__ import annotations
@@ -51,10 +55,16 @@ class WeightHandle:
     gpu_uuid: str = ""  # the sender's GPU (physical), to map the IPC device index in the receiver
 
     def same_host(self) -> bool:
-        """True when this process runs on the sender's host (CUDA IPC usable)."""
+        """True when this process runs on the sender's host (CUDA IPC usable) and
+        ``FORGE_WEIGHT_SYNC=rdma`` does not force the cross-host path."""
         import socket
 
-        return bool(self.ipc) and self.host == socket.gethostname()
+        return bool(self.ipc) and self.host == socket.gethostname() and not force_rdma()
+
+
+def force_rdma() -> bool:
+    """``FORGE_WEIGHT_SYNC=rdma``: receivers on the sender's host use the RDMA buffer too."""
+    return os.environ.get("FORGE_WEIGHT_SYNC", "auto") == "rdma"
 
 
 def _params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
