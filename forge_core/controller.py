@@ -83,6 +83,15 @@ class Services:
     procs: list
     by_name: dict = field(default_factory=dict)  # service name -> its proc mesh
 
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every actor process, each within ``timeout_s`` seconds. Errors while stopping
+        (an actor still busy with a cancelled call misses its deadline) are ignored."""
+        for p in self.procs:
+            try:
+                await asyncio.wait_for(p.stop(), timeout=timeout_s)
+            except Exception:
+                pass
+
 
 def _host_for(hosts: Any, index: int):
     from monarch.actor import this_host
@@ -379,11 +388,8 @@ class Controller:
         SHUTTING_DOWN = True
         try:
             svc = getattr(self, "svc", None)  # absent when spawning failed
-            for p in svc.procs if svc is not None else []:
-                try:
-                    await asyncio.wait_for(p.stop(), timeout=30)
-                except Exception:
-                    pass
+            if svc is not None:
+                await svc.stop()
         finally:
             SHUTTING_DOWN = False
 

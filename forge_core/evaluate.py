@@ -10,7 +10,7 @@ import torch
 
 from forge_core.actors.generator import hf_generate
 from forge_core.data import chat_prompt, load_gsm8k
-from forge_core.models import ModelConfig, load_model, load_tokenizer
+from forge_core.models import load_model, load_tokenizer
 from forge_core.rewards import extract_answer
 
 

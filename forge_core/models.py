@@ -14,12 +14,11 @@ Every recipe names a model from :data:`MODELS`. Sources:
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import sysconfig
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from forge_core.models import hf_config_dict, spec_of
+from forge_core.models import hf_config_dict
 
 _STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 

@@ -230,10 +230,9 @@ def load_from_ipc(model: torch.nn.Module, handle: "WeightHandle", bucket_bytes: 
     biggest = max(e - s for s, e, _ in buckets)
     staging = [torch.empty(biggest, dtype=remote.dtype, device=dev) for _ in range(2)]
     copy_stream = torch.cuda.Stream(dev)
-    events = []
+    s0, e0, _ = buckets[0]
     with torch.cuda.stream(copy_stream):
-        for i, (s, e, _) in enumerate(buckets[:1]):
-            staging[0][:e - s].copy_(remote[s:e], non_blocking=True)
+        staging[0][:e0 - s0].copy_(remote[s0:e0], non_blocking=True)
     ev = torch.cuda.Event()
     ev.record(copy_stream)
     for i, (s, e, entries) in enumerate(buckets):

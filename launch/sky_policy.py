@@ -31,6 +31,7 @@ and this repository on its path (``make venv``; or ``pip install --no-deps -e .`
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import Optional, Sequence
 
@@ -77,8 +78,6 @@ def _gated_message(folder: str, task) -> Optional[str]:
         return None
     forge_args = (task.envs or {}).get("FORGE_ARGS", "")
     try:
-        import shlex
-
         cfg = load_config(folder, shlex.split(forge_args))
     except (ConfigError, ValueError):
         return None  # the cluster's check names the bad key; this policy only adds the path

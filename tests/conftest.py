@@ -1,11 +1,15 @@
 """Test data: the real GSM8K copy when ``GSM8K_DIR`` names one (CI: ``../shared/data/gsm8k``);
 otherwise a small synthetic set in GSM8K's own JSONL format, so a clone without the shared data
-still runs every test end to end (the tests use a random tiny model and do not need real questions)."""
+still runs every test end to end (the tests use a random tiny model and do not need real questions).
+Also the shared skip conditions of the SLURM dev-cluster tests (``slurm_dev_prereqs``)."""
 
 import json
 import os
 import random
+import shutil
 import tempfile
+
+import pytest
 
 
 def _synthetic_gsm8k() -> str:
@@ -23,3 +27,15 @@ def _synthetic_gsm8k() -> str:
 if not os.path.isdir(os.environ.get("GSM8K_DIR", "")):
     os.environ["GSM8K_DIR"] = _synthetic_gsm8k()
     os.environ["FORGE_SYNTHETIC_GSM8K"] = "1"
+
+
+@pytest.fixture(scope="session")
+def slurm_dev_prereqs():
+    """Skip unless the SLURM dev cluster (cluster/dev/up.sh) can start here: root, iproute2, and
+    SLURM installed or installable with apt-get."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (starts slurmctld/slurmd and creates network namespaces)")
+    if not shutil.which("ip"):
+        pytest.skip("needs iproute2 (ip)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("SLURM is not installed and apt-get is not available to install it")

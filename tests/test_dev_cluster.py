@@ -8,7 +8,6 @@ namespaces fr-node1/fr-node2 into SLURM nodes node1/node2 and tears everything d
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,13 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def dev_cluster():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (starts slurmctld/slurmd and creates network namespaces)")
-    if not shutil.which("ip"):
-        pytest.skip("needs iproute2 (ip)")
-    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
-        pytest.skip("SLURM is not installed and apt-get is not available to install it")
+def dev_cluster(slurm_dev_prereqs):
     t0 = time.perf_counter()
     p = subprocess.run([str(DEV / "up.sh"), "2"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"up.sh failed\n{p.stdout}\n{p.stderr}"

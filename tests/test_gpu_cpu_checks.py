@@ -2,7 +2,6 @@
 args and HF state-dict name mapping (through TorchTitan's adapters) on tiny models, the vLLM
 fused-parameter view mapping and the weight-sync bucketing. No GPU, no vLLM needed."""
 
-import math
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 import torch
 
 from forge_core.models import ModelConfig, converted_smollm2, load_model, load_tokenizer, response_logprobs, smollm2_gguf_path

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
@@ -48,13 +46,7 @@ def _cluster_is_up() -> bool:
 
 
 @pytest.fixture(scope="module")
-def dev_cluster():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (starts slurmctld/slurmd and creates network namespaces)")
-    if not shutil.which("ip"):
-        pytest.skip("needs iproute2 (ip)")
-    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
-        pytest.skip("SLURM is not installed and apt-get is not available to install it")
+def dev_cluster(slurm_dev_prereqs):
     pytest.importorskip("monarch.actor")
     started = not _cluster_is_up()
     if started:

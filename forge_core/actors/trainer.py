@@ -216,7 +216,7 @@ class TitanTrainer(Actor):
         from omegaconf import OmegaConf
 
         from forge_core import titan
-        from forge_core.models import converted_smollm2, spec_of, _hf_source
+        from forge_core.models import _hf_source
         from forge_core.weight_sync import CudaFlatWeights
 
         self.cfg = OmegaConf.create(cfg)

@@ -26,7 +26,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from monarch.actor import Actor, endpoint
 
@@ -130,7 +130,6 @@ class VllmGenerator(Actor):
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function to TP workers
         setup_process(max(self.cfg.threads_per_actor, 4), self.cfg.seed)
-        import torch
         from vllm import LLM
 
         from forge_core.models import hf_config_dict, load_tokenizer

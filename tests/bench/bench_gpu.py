@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -67,7 +66,7 @@ async def bench(model: str, gpus: int, steps: int, data_dir: str, extra: list) -
     try:
         h0 = await call("trainer", svc.trainer.publish)
         await call("reference", svc.reference.load_initial, h0)
-        r0 = await call("generator", svc.generator.update_weights, h0)
+        await call("generator", svc.generator.update_weights, h0)
         row("start-up (engine, trainer, reference, first sync)", f"{time.perf_counter() - t0:.0f} s")
         tok = load_tokenizer(cfg.model)
         src = PromptSource(load_gsm8k("train", data_dir), 0)
@@ -149,11 +148,7 @@ async def bench(model: str, gpus: int, steps: int, data_dir: str, extra: list) -
             f"{tot:.1f} s  (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; sleep {st['sleep_s']:.1f}, "
             f"wake {st['wake_s'] + r.get('wake_s', 0):.1f})", "<= 20 s on one H100", step_s=tot, parts=parts)
     finally:
-        for p in svc.procs:
-            try:
-                await asyncio.wait_for(p.stop(), timeout=60)
-            except Exception:
-                pass
+        await svc.stop(60)
     return rows
 
 
@@ -166,7 +161,7 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
-    print(f"| what | value | target | device |\n|---|---|---|---|", flush=True)
+    print("| what | value | target | device |\n|---|---|---|---|", flush=True)
     rows = asyncio.run(bench(a.model, a.gpus, a.steps, a.data, a.overrides))
     print(f"\n## bench {a.model} on {a.gpus} GPU(s), {time.strftime('%Y-%m-%d')}\n| what | value | target | device |\n|---|---|---|---|")
     for r in rows:

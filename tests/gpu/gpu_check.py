@@ -97,11 +97,7 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
         versions = [await call("generator", svc.generator.get_version), await call("trainer", svc.trainer.get_version)]
         check("versions advanced to 2", versions == [2, 2], str(versions))
     finally:
-        for p in svc.procs:
-            try:
-                await asyncio.wait_for(p.stop(), timeout=60)
-            except Exception:
-                pass
+        await svc.stop(60)
     return res
 
 
