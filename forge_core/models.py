@@ -189,17 +189,27 @@ def converted_smollm2() -> str:
     return out
 
 
+def gated_without_token(cfg: Any, env: Optional[Any] = None) -> Optional[str]:
+    """The error message when model ``cfg`` (a :class:`ModelConfig`) is gated on the HF hub, has no
+    local copy (``cfg.path``) and ``HF_TOKEN`` is missing from ``env`` (default ``os.environ``); else None.
+    The one gated-model check: the local, SLURM and SkyPilot launchers all use it."""
+    env = os.environ if env is None else env
+    spec = spec_of(cfg.name)
+    path = getattr(cfg, "path", "") or spec.path
+    if not spec.gated or os.path.isdir(path) or env.get("HF_TOKEN"):
+        return None
+    return (f"model {cfg.name!r} ({path}) is gated on the HF hub and HF_TOKEN is not set: accept its licence on "
+            f"huggingface.co and pass a token (SkyPilot: `--secret HF_TOKEN`; SLURM/local: export HF_TOKEN)")
+
+
 def _hf_source(name: str, cfg: Any) -> str:
     spec = spec_of(name)
     if spec.source == "gguf":
         return converted_smollm2()
     path = getattr(cfg, "path", "") or spec.path
-    if os.path.isdir(path):
-        return path
-    if spec.gated and not os.environ.get("HF_TOKEN"):
-        raise ModelSourceError(
-            f"model {name!r} ({path}) is gated on the HF hub and HF_TOKEN is not set: accept its licence "
-            f"on the hub and pass a token (SkyPilot: `--secret HF_TOKEN`; SLURM/local: export HF_TOKEN)")
+    gated = gated_without_token(cfg if getattr(cfg, "name", name) == name else ModelConfig(name))
+    if gated:
+        raise ModelSourceError(gated)
     return path
 
 
