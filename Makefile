@@ -52,7 +52,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench-losses: venv
-	$(PY) -m tests.bench.bench_losses
+	$(PY) -m benchmarks.bench_losses
 
 clean:
 	rm -rf runs .pytest_cache
@@ -106,13 +106,13 @@ sky-dryrun:
 sky-down: venv
 	$(PY) -m launch.sky down $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME))
 
-# ---- GPU benchmark (a GPU machine with the GPU extra: vLLM 0.26.0; see tests/gpu/h100.sh)
+# ---- GPU benchmark (a GPU machine with the GPU extra: vLLM 0.26.0; see benchmarks/gpu.sh)
 # make bench [ARGS='--model qwen3_8b --steps 2']   one table, each row naming its device
 BENCH_PY ?= python3
 .PHONY: bench gpu-check
 
 bench:
-	$(BENCH_PY) -m tests.bench.bench_gpu --gpus $$($(BENCH_PY) -c 'import torch; print(torch.cuda.device_count())') $(ARGS)
+	$(BENCH_PY) -m benchmarks.bench_gpu --gpus $$($(BENCH_PY) -c 'import torch; print(torch.cuda.device_count())') $(ARGS)
 
 gpu-check:
-	$(BENCH_PY) -m tests.gpu.gpu_check --gpus $$($(BENCH_PY) -c 'import torch; print(torch.cuda.device_count())') $(ARGS)
+	$(BENCH_PY) -m benchmarks.gpu_check --gpus $$($(BENCH_PY) -c 'import torch; print(torch.cuda.device_count())') $(ARGS)

@@ -22,7 +22,8 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from forge_core.data import DataConfig
-from forge_core.losses import LOSS_CONFIGS, AdvantageConfig, LossConfig
+from forge_core.advantages import AdvantageConfig
+from forge_core.losses import LOSS_CONFIGS, LossConfig
 from forge_core.models import ModelConfig
 from forge_core.rewards import RewardConfig
 
@@ -45,6 +46,9 @@ class GeneratorConfig:
         gpu_memory_utilization: vLLM's KV-cache share of GPU memory.
         dtype: the generator's (and reference model's) weight dtype; the trainer's fp32 master
             weights are cast to it when published.
+        max_num_seqs: vLLM's cap on sequences decoded at once (per replica).
+        sleep_level: vLLM sleep level between generations when colocated with the trainer
+            (1: weights to host memory, KV cache freed; 2: both freed).
     """
 
     backend: str = "hf"
@@ -55,6 +59,8 @@ class GeneratorConfig:
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.5
     dtype: str = "bfloat16"
+    max_num_seqs: int = 256
+    sleep_level: int = 1
 
 
 @dataclass
@@ -87,10 +93,22 @@ class TrainerConfig:
 
 @dataclass
 class ServiceLayout:
-    """Where one service runs: ``host`` is the node index, ``gpus`` its GPU count (0 on CPU)."""
+    """Where the trainer or the reference runs: ``host`` is the node index, ``gpus`` its GPU count
+    (0 on CPU; for the reference, 0 = sharded over the trainer's GPUs, see :mod:`forge_core.layout`)."""
 
     host: int = 0
     gpus: int = 0
+
+
+@dataclass
+class GeneratorLayout:
+    """Where the generator replicas run: ``replicas`` engines of ``tp`` GPUs each (tensor
+    parallel), on node ``host``, or spread in order over ``hosts`` when that list is given."""
+
+    host: int = 0
+    hosts: List[int] = field(default_factory=list)
+    replicas: int = 1
+    tp: int = 1
 
 
 @dataclass
@@ -99,9 +117,27 @@ class LayoutConfig:
 
     nodes: int = 1
     gpus_per_node: int = 0
-    generator: ServiceLayout = field(default_factory=ServiceLayout)
+    generator: GeneratorLayout = field(default_factory=GeneratorLayout)
     trainer: ServiceLayout = field(default_factory=ServiceLayout)
     reference: ServiceLayout = field(default_factory=ServiceLayout)
+
+
+@dataclass
+class WeightSyncConfig:
+    """Trainer -> generator weight transfer (:mod:`forge_core.weight_sync`).
+
+    Attributes:
+        transport: ``auto`` (IPC on the trainer's host; across hosts RDMA where both ends have an
+            ibverbs device, else NCCL), or one of ``ipc``, ``nccl`` (gloo on CPU), ``rdma``
+            (Monarch ``RDMABuffer``; its TCP fallback without an ibverbs device).
+        bucket_mb: transfer unit of the NCCL broadcast and of peer-GPU copies (MiB).
+        timeout_s: a transfer group that does not form, or a transfer that does not finish,
+            within this many seconds fails naming both ends.
+    """
+
+    transport: str = "auto"
+    bucket_mb: int = 1024
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -144,6 +180,7 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = MISSING
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -179,15 +216,17 @@ def register() -> None:
 def _check(cfg: DictConfig, where: str) -> None:
     choices = {
         "generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"),
-        "trainer.compute_dtype": ("bfloat16", "float32"), "generator.dtype": ("bfloat16", "float32"), "reward.mode": ("strict", "flexible"),
-        "model.init": ("pretrained", "random"),
+        "trainer.compute_dtype": ("bfloat16", "float32"), "generator.dtype": ("bfloat16", "float32"),
+        "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"), "generator.sleep_level": (1, 2),
+        "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
     }
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
         if v not in allowed:
             raise ConfigError(f"{where}: {key}={v!r} must be one of {allowed}")
     positive = ("steps", "prompts_per_step", "generator.group_size", "generator.max_response_tokens",
-                "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions")
+                "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions", "generator.max_num_seqs",
+                "weight_sync.bucket_mb", "weight_sync.timeout_s")
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{where}: {key} must be > 0, got {OmegaConf.select(cfg, key)}")
@@ -198,23 +237,21 @@ def _check(cfg: DictConfig, where: str) -> None:
     if (cfg.device == "cuda") != (cfg.generator.backend == "vllm"):
         raise ConfigError(f"{where}: device={cfg.device} needs generator.backend="
                           f"{'vllm' if cfg.device == 'cuda' else 'hf'} (got {cfg.generator.backend!r})")
-    if cfg.trainer.tp < 1 or max(cfg.layout.trainer.gpus, 1) % cfg.trainer.tp:
-        raise ConfigError(f"{where}: trainer.tp={cfg.trainer.tp} must be >= 1 and divide layout.trainer.gpus="
-                          f"{cfg.layout.trainer.gpus}")
-    if cfg.device == "cuda":
-        from forge_core.gpu_layout import plan_gpus
+    from forge_core.layout import LayoutError, plan_layout
+    from forge_core.models import hf_config_dict
 
-        try:
-            plan = plan_gpus(cfg)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        if plan.colocated and cfg.max_staleness != 0:
-            raise ConfigError(f"{where}: one GPU per node (colocated trainer and generator) needs max_staleness=0: "
-                              f"the generator sleeps while the trainer uses the GPU, so the loops must alternate")
-    for svc in ("generator", "trainer", "reference"):
-        host = cfg.layout[svc].host
-        if not 0 <= host < cfg.layout.nodes:
-            raise ConfigError(f"{where}: layout.{svc}.host={host} is outside layout.nodes={cfg.layout.nodes}")
+    try:
+        plan = plan_layout(cfg, hf_config_dict(cfg.model.name).get("num_attention_heads"))
+    except (LayoutError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if plan.colocated and cfg.max_staleness != 0:
+        raise ConfigError(f"{where}: one GPU per node (colocated trainer and generator) needs max_staleness=0: "
+                          f"the generator sleeps while the trainer uses the GPU, so the loops must alternate")
+    hosts = {s.host for s in plan.generators}
+    if cfg.weight_sync.transport == "ipc" and hosts != {plan.trainer.host}:
+        raise ConfigError(f"{where}: weight_sync.transport=ipc needs every generator replica on the trainer's node "
+                          f"(layout.trainer.host={plan.trainer.host}; generator nodes {sorted(hosts)}): IPC does not "
+                          f"cross hosts; use auto, nccl or rdma")
 
 
 def recipe_dir(recipe: str) -> str:

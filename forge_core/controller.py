@@ -5,18 +5,22 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
     rollout loop (batch k = 0, 1, ...)                 training loop (step s = start .. steps-1)
     ----------------------------------                 -----------------------------------------
     wait until the buffer holds less than one batch    wait until buffer.sample(B, s) returns B
-      and generator version >= k - max_staleness         episodes with s - version <= max_staleness
+      and a generator replica has version >= k - S       episodes with s - version <= S
     problems  = source.next_batch(prompts_per_step)    metrics = trainer.train_step(episodes)
-    episodes  = generator.generate(problems)  (G each) handle  = trainer.publish()        (version s+1)
-    episodes  = reward.score(episodes)                 wait for the previous sync to finish, then
-    episodes  = reference.logprobs(episodes)             generator.update_weights(handle)  (background)
-    advantages within each group (z-score / mean / RLOO) log one JSONL line, checkpoint every N steps
-    buffer.add(episodes)
+    groups -> replicas (Dispatcher: whole groups,      wait for the previous weight sync, then
+      to the replica expected to finish first)           handle = trainer.publish()   (version s+1)
+    episodes  = replica.generate(its groups) (G each)    sync in the background:
+    episodes  = reward.score(episodes)                     receivers fetch over the network
+    ref       = reference.logprobs(episodes)               (other nodes; generation goes on), then
+    advantages within each group (z-score/mean/RLOO)       every replica loads between two generate
+    buffer.add(episodes)                                   calls (IPC from the trainer or its node's
+                                                           staged copy)
+                                                       log one JSONL line, checkpoint every N steps
 
-With ``max_staleness=1`` (default) rollout k+1 overlaps training step k; with 0 the loops
-alternate (fully on-policy). Weight sync runs while the next step trains; the generator applies it
-between two generations, never during one. A checkpoint is taken at a quiet point (no rollout in
-flight, sync done), so a resumed run sees exactly the batch the uninterrupted run would have seen.
+S = ``max_staleness``. With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops
+alternate (fully on-policy). A checkpoint is taken at a quiet point (no rollout in flight, sync
+done), so a resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
+placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`.
 """
 
 from __future__ import annotations
@@ -27,177 +31,62 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from forge_core.actors.generator import Generator
-from forge_core.actors.placement import Placement
-from forge_core.actors.reference import Reference
-from forge_core.actors.replay_buffer import ReplayBufferActor
-from forge_core.actors.reward import RewardActor
-from forge_core.actors.trainer import Trainer
+from forge_core.advantages import compute_advantages
 from forge_core.data import PromptSource, load_gsm8k
 from forge_core.episode import Episode
-from forge_core.losses import compute_advantages
 from forge_core.metrics import MetricsLog, plot_rewards
+from forge_core.services import ActorFailed, Services, call, call_all, spawn_services
+from forge_core.weight_sync import choose_transport
 
 
-class ActorFailed(RuntimeError):
-    """An actor call failed or its process died; the message names the actor."""
-
-
-SHUTTING_DOWN = False  # set while Controller.shutdown stops the actor processes
-LAST_FAULT: Optional[str] = None  # Monarch's report of the last unhandled actor failure
-
-
-def _fault_hook(failure: Any) -> None:
-    """Monarch's ``unhandled_fault_hook``: instead of exiting the controller, record the report
-    (ignored while stopping the actors, where a busy actor misses its cleanup deadline); the next
-    call to the failed actor raises :class:`ActorFailed` naming it, and the run stops cleanly."""
-    global LAST_FAULT
-    if not SHUTTING_DOWN:
-        LAST_FAULT = failure.report()
-    # Dropped either way: a call to the failed actor raises, and ActorFailed names it.
-
-
-def install_fault_hook() -> None:
-    """Route Monarch's unhandled actor failures through :func:`_fault_hook`."""
-    import monarch.actor
-
-    monarch.actor.unhandled_fault_hook = _fault_hook
-
-
-@dataclass
-class Services:
-    """Handles to the spawned actors (each a one-actor mesh in its own process)."""
-
-    generator: Any
-    reward: Any
-    reference: Any
-    trainer: Any
-    buffer: Any
-    procs: list
-    by_name: dict = field(default_factory=dict)  # service name -> its proc mesh
-
-    async def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop every actor process, each within ``timeout_s`` seconds. Errors while stopping
-        (an actor still busy with a cancelled call misses its deadline) are ignored."""
-        for p in self.procs:
-            try:
-                await asyncio.wait_for(p.stop(), timeout=timeout_s)
-            except Exception:
-                pass
-
-
-def _host_for(hosts: Any, index: int):
-    from monarch.actor import this_host
-
-    if hosts is None:
-        return this_host()
-    from launch.bootstrap import host_slice  # only multi-host launchers pass a mesh
-
-    return host_slice(hosts, index)
-
-
-async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
-    """Spawn every actor in its own process, on the node the recipe's ``layout`` names.
-
-    ``device=cuda`` selects the GPU actors (vLLM generator, TorchTitan trainer and reference) and
-    places them on GPUs (:func:`forge_core.gpu_layout.plan_gpus`); a trainer of several GPUs is a
-    mesh of one actor per GPU (FSDP2), answered for by rank 0 (:class:`_Rank0`). Colocated (one
-    GPU): the generator starts first, so vLLM sizes its KV cache before the others allocate.
+class Dispatcher:
+    """Spreads the prompt groups of a rollout batch over generator replicas. A group is never split;
+    each goes to the replica expected to finish it first, from the replica's outstanding groups and
+    its measured speed (an exponential moving average of groups per second), so a slow replica gets
+    less work. Pure bookkeeping, no actor calls.
 
     Args:
-        cfg: the resolved run config.
-        hosts: a multi-host ``HostMesh`` (node-rank order) or ``None`` for this host only.
+        replicas: number of replicas.
+        alpha: weight of the newest speed measurement in the moving average.
     """
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    procs = []
 
-    by_name = {}
+    def __init__(self, replicas: int, alpha: float = 0.5):
+        self.rate: list[Optional[float]] = [None] * replicas  # groups / s
+        self.outstanding = [0] * replicas
+        self.alpha = alpha
 
-    def spawn(name: str, host_index: int, cls, *args, n: int = 1):
-        p = _host_for(hosts, host_index).spawn_procs(per_host={"procs": n})
-        procs.append(p)
-        by_name[name] = p
-        return p.spawn(name, cls, *args)
+    def assign(self, n_groups: int, eligible: list[int]) -> dict[int, list[int]]:
+        """``{replica: [group indices]}`` for ``n_groups`` groups over the ``eligible`` replicas
+        (their outstanding counts grow by what they get).
 
-    if cfg.device == "cuda":
-        from forge_core.actors.trainer import TitanReference, TitanTrainer
-        from forge_core.actors.vllm_generator import VllmGenerator
-        from forge_core.gpu_layout import plan_gpus
+        Raises:
+            ValueError: no eligible replica.
+        """
+        if not eligible:
+            raise ValueError("no generator replica is eligible (all too stale)")
+        known = [r for r in self.rate if r]
+        default = statistics.fmean(known) if known else 1.0
+        out: dict[int, list[int]] = {r: [] for r in eligible}
+        for g in range(n_groups):
+            best = min(eligible, key=lambda r: ((self.outstanding[r] + 1) / (self.rate[r] or default), r))
+            out[best].append(g)
+            self.outstanding[best] += 1
+        return {r: gs for r, gs in out.items() if gs}
 
-        plan = plan_gpus(cfg)
-        L = cfg.layout
-        gen = spawn("generator", L.generator.host, VllmGenerator, plain, plan.gpus["generator"], plan.colocated,
-                    plan.per_node)
-        if plan.colocated:
-            await call("generator", gen.get_version)  # engine up before the others allocate
-        from forge_core.weight_sync import force_rdma
-
-        rdma = L.generator.host != L.trainer.host or L.reference.host != L.trainer.host or force_rdma()
-        port = 29500 + (os.getpid() % 2000)
-        nt = len(plan.gpus["trainer"])
-        trainer = spawn("trainer", L.trainer.host, TitanTrainer, plain, plan.gpus["trainer"], plan.per_node, port, rdma,
-                        n=nt)
-        if nt > 1:
-            trainer = _Rank0(trainer)
-        ref = spawn("reference", L.reference.host, TitanReference, plain, plan.gpus["reference"][:1], plan.per_node)
-    else:
-        gen = spawn("generator", cfg.layout.generator.host, Generator, plain)
-        ref = spawn("reference", cfg.layout.reference.host, Reference, plain)
-        trainer = spawn("trainer", cfg.layout.trainer.host, Trainer, plain)
-    reward = spawn("reward", 0, RewardActor, plain["reward"])
-    buf = spawn("replay_buffer", 0, ReplayBufferActor, cfg.buffer_capacity, cfg.max_staleness)
-    return Services(gen, reward, ref, trainer, buf, procs, by_name)
-
-
-class _Rank0:
-    """An actor mesh of several ranks seen as one actor: ``x.endpoint.call_one(*a)`` calls every
-    rank (their collectives need all of them) and returns rank 0's answer."""
-
-    def __init__(self, mesh: Any):
-        self._mesh = mesh
-
-    def __getattr__(self, name: str):
-        ep = getattr(self._mesh, name)
-
-        class _Ep:
-            async def call_one(self, *args):
-                vm = await ep.call(*args)
-                for point, v in vm.items():
-                    if point.rank == 0:
-                        return v
-                return next(iter(vm.values()))
-
-        return _Ep()
-
-
-async def record_placement(svc: Services, path: str) -> dict:
-    """Ask a :class:`Placement` actor in each service's process where it runs; write ``path`` (JSON).
-
-    Returns ``{service: {"hostname", "ips", "pid"}}``.
-    """
-    where = {}
-    for name, p in svc.by_name.items():
-        where[name] = await call(name, p.spawn(f"placement_{name}", Placement).where)
-    with open(path, "w") as f:
-        json.dump(where, f, indent=1)
-    return where
-
-
-async def call(actor_name: str, endpoint, *args):
-    """``await endpoint.call_one(*args)``, turning any failure into :class:`ActorFailed` naming the actor."""
-    try:
-        return await endpoint.call_one(*args)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {str(e)[:2000]}") from e
+    def done(self, replica: int, groups: int, seconds: float) -> None:
+        """Record that ``replica`` finished ``groups`` groups in ``seconds``."""
+        self.outstanding[replica] -= groups
+        if groups and seconds > 0:
+            r = groups / seconds
+            old = self.rate[replica]
+            self.rate[replica] = r if old is None else self.alpha * r + (1 - self.alpha) * old
 
 
 def batch_hash(episodes: list[Episode]) -> int:
@@ -221,13 +110,40 @@ def _batch_stats(episodes: list[Episode], step: int) -> dict:
     }
 
 
+def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
+    """How each generator replica gets new weights: ``(transport, rank)`` for ``ipc`` (the trainer's
+    host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
+    ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
+    Prints every choice.
+
+    Raises:
+        ValueError: an impossible explicit transport (``ipc`` across hosts).
+    """
+    t = svc.trainer
+    routes, leader, rank = [], {}, 0
+    for i, g in enumerate(svc.generators):
+        same = g.slot.host == t.slot.host
+        if not same and g.slot.host in leader:
+            routes.append(("follow", leader[g.slot.host]))
+            continue
+        how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
+        if how == "nccl":
+            rank += 1
+        routes.append((how, rank if how == "nccl" else 0))
+        if not same:
+            leader[g.slot.host] = i
+        print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- trainer (node {t.slot.host}): {how} ({why})",
+              file=sys.stderr, flush=True)
+    return routes
+
+
 class Controller:
     """Runs a recipe: spawns the actors, runs both loops, logs, checkpoints, saves the final model.
 
     Args:
         cfg: the resolved run config (see :mod:`forge_core.config`).
         out_dir: run directory (metrics.jsonl, reward.png, checkpoints/, final/).
-        hosts: optional multi-host mesh from :mod:`launch.bootstrap`.
+        hosts: optional multi-host Monarch ``HostMesh`` (node-rank order) from a launcher.
         progress: show a tqdm progress bar on the console.
     """
 
@@ -238,8 +154,8 @@ class Controller:
         self.progress = progress
         self.B = cfg.prompts_per_step * cfg.generator.group_size
         self.batches_made = 0  # rollout batch counter k
-        self.gen_version = 0
         self.step = 0
+        self.versions: list[int] = []  # per generator replica
         self.rollout_stats: list[dict] = []
         self.changed = asyncio.Condition()
         self.buffered = 0
@@ -248,6 +164,7 @@ class Controller:
         self.sync_task: Optional[asyncio.Task] = None
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
+        self.svc: Optional[Services] = None
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
@@ -273,7 +190,7 @@ class Controller:
         torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
         with open(os.path.join(tmp, "controller.json"), "w") as f:
             json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
-                       "generator_version": self.gen_version}, f)
+                       "generator_version": min(self.versions)}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         kept = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and not d.endswith(".tmp"))
@@ -295,7 +212,10 @@ class Controller:
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
 
-    # ---- the two loops -----------------------------------------------------------------------
+    # ---- rollouts ----------------------------------------------------------------------------
+    def _eligible(self, k: int) -> list[int]:
+        return [i for i, v in enumerate(self.versions) if v >= k - self.cfg.max_staleness]
+
     async def rollout_loop(self) -> None:
         """Produce rollout batches until cancelled (see the module docstring). A failure is
         handed to the training loop (``rollout_error``), which raises it."""
@@ -307,23 +227,53 @@ class Controller:
                 self.changed.notify_all()
             raise
 
+    async def _generate(self, problems: list, k: int, replicas: list[int]) -> tuple[list[Episode], dict]:
+        """Generate batch ``k`` over ``replicas`` (whole groups each); episodes in problem order."""
+        cfg, gens = self.cfg, self.svc.generators
+        plan = self.dispatcher.assign(len(problems), replicas)
+        t0 = time.perf_counter()
+
+        async def one(r: int, groups: list[int]) -> tuple[int, list[int], list[Episode], dict]:
+            ta = time.perf_counter()
+            eps, st = await call(gens[r].name, gens[r].generate, [problems[g] for g in groups],
+                                 cfg.seed * 100_003 + k * 1_009 + r)
+            self.dispatcher.done(r, len(groups), time.perf_counter() - ta)
+            return r, groups, eps, st
+
+        out: list[Optional[Episode]] = [None] * (len(problems) * cfg.generator.group_size)
+        G = cfg.generator.group_size
+        tokens = 0
+        for r, groups, eps, st in await asyncio.gather(*(one(r, gs) for r, gs in plan.items())):
+            tokens += st["gen_tokens"]
+            for j, e in enumerate(eps):
+                g = groups[j // G]
+                e.group, e.replica = g, r
+                out[g * G + j % G] = e
+        dt = time.perf_counter() - t0
+        return list(out), {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
+
     async def _rollouts(self) -> None:
         cfg, s = self.cfg, self.svc
         while True:
             async with self.changed:
                 await self.changed.wait_for(
-                    lambda: not self.paused and self.buffered < self.B
-                    and self.gen_version >= self.batches_made - cfg.max_staleness)
+                    lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made))
                 self.rollout_busy = True
                 problems = self.source.next_batch(cfg.prompts_per_step)
                 k = self.batches_made
                 self.batches_made += 1
+                replicas = self._eligible(k)
             try:
-                episodes, gen = await call("generator", s.generator.generate, problems, cfg.seed * 100_003 + k)
+                episodes, gen = await self._generate(problems, k, replicas)
                 t0 = time.perf_counter()
                 episodes = await call("reward", s.reward.score, episodes)
                 reward_s = time.perf_counter() - t0
-                episodes, ref_s = await call("reference", s.reference.logprobs, episodes)
+                ref_s = 0.0
+                for lists, secs in await call_all("reference", s.reference.logprobs, episodes):
+                    ref_s = max(ref_s, secs)
+                    for e, lp in zip(episodes, lists):
+                        if lp is not None:
+                            e.ref_logprobs = lp
                 rewards = torch.tensor([e.reward for e in episodes]).view(-1, cfg.generator.group_size)
                 adv, keep, adv_m = compute_advantages(rewards, cfg.advantage)
                 for e, a in zip(episodes, adv.flatten().tolist()):
@@ -340,12 +290,42 @@ class Controller:
                 self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
                 self.changed.notify_all()
 
-    async def _sync(self, handle) -> None:
-        r = await call("generator", self.svc.generator.update_weights, handle)
-        async with self.changed:
-            self.gen_version = r["version"]
-            self.last_sync = r
-            self.changed.notify_all()
+    # ---- weight sync -------------------------------------------------------------------------
+    async def _publish(self) -> Any:
+        """Publish the trainer's weights (starting the nccl broadcast when a route needs it)."""
+        rdma = any(t == "rdma" for t, _ in self.routes)
+        world = 1 + sum(t == "nccl" for t, _ in self.routes)
+        return await call("trainer", self.svc.trainer.publish, rdma, world if world > 1 else 0, 0)
+
+    async def _sync(self, handle: Any) -> None:
+        """Bring every replica to ``handle.version``: network receivers fetch (while generating),
+        then each replica loads between two generate calls (see :func:`sync_routes`)."""
+        gens = self.svc.generators
+        t0 = time.perf_counter()
+        fetched = await asyncio.gather(*(call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle, t, rank)
+                                         for i, (t, rank) in enumerate(self.routes) if t in ("nccl", "rdma")))
+        transfer_s = max((f["transfer_s"] for f in fetched), default=0.0)
+        staged = {}
+        for i, (t, _) in enumerate(self.routes):
+            if t == "follow" and self.routes[i][1] not in staged:
+                j = self.routes[i][1]
+                staged[j] = await call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version)
+
+        async def load(i: int) -> dict:
+            t, j = self.routes[i]
+            args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
+            r = await call(gens[i].name, gens[i].update_weights, *args)
+            async with self.changed:
+                self.versions[i] = r["version"]
+                self.changed.notify_all()
+            return r
+
+        loaded = await asyncio.gather(*(load(i) for i in range(len(gens))))
+        exposed = max(r["sync_s"] for r in loaded)
+        total = time.perf_counter() - t0
+        self.last_sync = {"weight_sync_s": total, "weight_transfer_s": transfer_s, "weight_sync_exposed_s": exposed,
+                          "weight_sync_gb_s": handle.nbytes / max(transfer_s or exposed, 1e-9) / 1e9,
+                          "weight_sync_mode": loaded[0].get("mode", "")}
 
     async def _next_batch(self) -> list[Episode]:
         while True:
@@ -360,6 +340,7 @@ class Controller:
             if self.rollout_error is not None:
                 raise self.rollout_error
 
+    # ---- the run -----------------------------------------------------------------------------
     async def run(self) -> dict:
         """Run the recipe to ``cfg.steps``; returns the last step's metrics.
 
@@ -373,42 +354,44 @@ class Controller:
             f.write(OmegaConf.to_yaml(cfg))
         self.source = PromptSource(load_gsm8k(cfg.data.split, cfg.data.dir, cfg.data.hub_id), cfg.data.seed)
         t_start = time.perf_counter()
-        install_fault_hook()
-        self.svc = await spawn_services(cfg, self.hosts)
         try:
-            await record_placement(self.svc, os.path.join(self.out_dir, "actors.json"))
+            self.svc = await spawn_services(cfg, self.hosts)
+            self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
             return await self._run(t_start)
         finally:
             await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Stop every actor process (idempotent). Faults Monarch reports while stopping (an actor
-        still busy with a cancelled call misses its cleanup deadline) are expected and ignored."""
-        global SHUTTING_DOWN
-        SHUTTING_DOWN = True
-        try:
-            svc = getattr(self, "svc", None)  # absent when spawning failed
-            if svc is not None:
-                await svc.stop()
-        finally:
-            SHUTTING_DOWN = False
+        """Stop every actor process (idempotent; nothing to do when spawning failed)."""
+        if self.svc is not None:
+            await self.svc.stop()
+
+    async def start(self) -> float:
+        """Load the initial weights everywhere (resuming from the newest checkpoint when
+        ``cfg.resume``): the reference takes the trainer's version 0 bit for bit, before a
+        checkpoint overwrites the trainer's weights; every replica then loads the trainer's
+        current version. Returns seconds."""
+        t0 = time.perf_counter()
+        s = self.svc
+        self.routes = sync_routes(s, self.cfg.weight_sync.transport)
+        self.versions = [0] * len(s.generators)
+        self.dispatcher = Dispatcher(len(s.generators))
+        ckpt = self.latest_checkpoint() if self.cfg.resume else None
+        h0 = await call("trainer", s.trainer.publish, s.reference.slot.host != s.trainer.slot.host, 0, 0)
+        ref_transport = "ipc" if s.reference.slot.host == s.trainer.slot.host else "rdma"
+        await call("reference", s.reference.load_initial, h0, ref_transport)
+        if ckpt:
+            await self.restore(ckpt)
+        await self._sync(await self._publish())
+        return time.perf_counter() - t0
 
     async def _run(self, t_start: float) -> dict:
         cfg, s = self.cfg, self.svc
-        ckpt = self.latest_checkpoint() if cfg.resume else None
-        # The reference is the trainer's initial policy (version 0) bit for bit, in a resumed run
-        # too: take it before the checkpoint overwrites the trainer's weights (a reference loaded
-        # from the source in another dtype would differ slightly, and so would the KL term).
-        handle = await call("trainer", s.trainer.publish)
-        await call("reference", s.reference.load_initial, handle)
-        if ckpt:
-            await self.restore(ckpt)
-            handle = await call("trainer", s.trainer.publish)
-        await self._sync(handle)
+        await self.start()
         startup_s = time.perf_counter() - t_start
         # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
-        log = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
-                         os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
+        mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
+                          os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -425,11 +408,10 @@ class Controller:
                     rollouts.result()  # re-raise a rollout failure
                 stats = _batch_stats(episodes, self.step)
                 tm = await call("trainer", s.trainer.train_step, episodes)
-                handle = await call("trainer", s.trainer.publish)
                 if self.sync_task is not None:
-                    await self.sync_task
+                    await self.sync_task  # receivers may still read the buffer publish overwrites
                 prev_sync = dict(self.last_sync)
-                self.sync_task = asyncio.create_task(self._sync(handle))
+                self.sync_task = asyncio.create_task(self._sync(await self._publish()))
                 self.step += 1
                 ro, self.rollout_stats = self.rollout_stats, []
                 mean = lambda k: statistics.fmean(r[k] for r in ro) if ro else 0.0
@@ -439,13 +421,17 @@ class Controller:
                        "clip_frac_high": tm.get("clip_frac_high", 0.0), "ratio_mean": tm.get("ratio_mean", 1.0),
                        "grad_norm": tm["grad_norm"], "gen_tok_s": mean("gen_tok_s"), "gen_s": mean("gen_s"),
                        "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
-                       "wait_for_rollout_s": wait_s, "weight_sync_s": prev_sync.get("sync_s", 0.0),
-                       "weight_sync_gb_s": prev_sync.get("sync_gb_s", 0.0), "generator_version": self.gen_version,
+                       "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": wait_s,
+                       "weight_sync_s": prev_sync.get("weight_sync_s", 0.0),
+                       "weight_transfer_s": prev_sync.get("weight_transfer_s", 0.0),
+                       "weight_sync_exposed_s": prev_sync.get("weight_sync_exposed_s", 0.0),
+                       "weight_sync_gb_s": prev_sync.get("weight_sync_gb_s", 0.0),
+                       "generator_version": min(self.versions), "gen_replicas": mean("gen_replicas"),
                        "zero_variance_groups": sum(r.get("zero_variance_groups", 0) for r in ro),
                        "dropped_groups": sum(r.get("dropped_groups", 0) for r in ro),
                        "step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
                        "startup_s": startup_s}
-                log.log(row)  # before the checkpoint: a resume keeps this row (no gap)
+                mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
                 if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
                     await self._quiesce()
                     await self.save_checkpoint()
@@ -454,19 +440,17 @@ class Controller:
                         self.changed.notify_all()
                 if bar is not None:
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                                    loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_s']:.2f}s")
+                                    loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s")
                     bar.update(1)
+            rollouts.cancel()
             if self.sync_task is not None:
                 await self.sync_task
-            rollouts.cancel()
-            await self._quiesce(cancel=True)
             final = os.path.join(self.out_dir, "final")
             await call("trainer", s.trainer.save, final, False)
             from forge_core.models import load_tokenizer
 
             load_tokenizer(cfg.model).save_pretrained(final)
-            self.step = cfg.steps
-            plot_rewards(log.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
+            plot_rewards(mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
         finally:
             rollouts.cancel()
             for t in (rollouts, self.sync_task):  # retrieve a failure already raised elsewhere
@@ -474,15 +458,14 @@ class Controller:
                     t.exception()
             if bar is not None:
                 bar.close()
-            log.close()
+            mlog.close()
         return row
 
-    async def _quiesce(self, cancel: bool = False) -> None:
-        """Pause rollouts; wait until none is in flight and the weight sync is done."""
+    async def _quiesce(self) -> None:
+        """Wait until the weight sync is done and no rollout is in flight, and pause rollouts
+        (the caller unpauses after writing its checkpoint)."""
         if self.sync_task is not None:
             await self.sync_task
-        if cancel:
-            return
         async with self.changed:
             self.paused = True
             await self.changed.wait_for(lambda: not self.rollout_busy)

@@ -21,6 +21,7 @@ class Episode:
         behaviour_logprobs: the generator's logprobs of ``response_ids``, ``[R_i]``.
         text: the decoded response.
         policy_version: the generator's weight version that sampled it.
+        replica: the generator replica that sampled it.
         truncated: hit the response-token budget without EOS.
         reward, correct, formatted: filled by the reward actor.
         ref_logprobs: the reference model's logprobs of ``response_ids``, ``[R_i]``.
@@ -35,6 +36,7 @@ class Episode:
     behaviour_logprobs: list[float]
     text: str
     policy_version: int
+    replica: int = 0
     truncated: bool = False
     reward: float = 0.0
     correct: bool = False

@@ -41,12 +41,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "LOSS_CONFIGS",
     "METRIC_KEYS",
-    "AdvantageConfig",
     "CISPOLossConfig",
     "DAPOLossConfig",
     "DrGRPOLossConfig",
@@ -56,16 +54,13 @@ __all__ = [
     "ReinforceLossConfig",
     "SAPOLossConfig",
     "aggregate",
-    "compute_advantages",
     "compute_loss",
-    "group_advantages",
     "kl_estimate",
     "make_loss_config",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_horizon")
-ADVANTAGE_ESTIMATORS = ("zscore", "mean", "rloo")
 METRIC_KEYS = (
     "ratio_mean",
     "ratio_min",
@@ -136,7 +131,7 @@ class DrGRPOLossConfig(LossConfig):
 
     Same per-token clipped surrogate as GRPO, but without the per-response length normalisation:
     ``fixed_horizon`` aggregation (sum over tokens / (B * max length)), no KL (beta = 0). Pair it
-    with ``AdvantageConfig(estimator="mean")`` (no division by the group std).
+    with ``forge_core.advantages.AdvantageConfig(estimator="mean")`` (no division by the group std).
     """
 
     name: str = "dr_grpo"
@@ -159,7 +154,7 @@ class DAPOLossConfig(LossConfig):
 
     aggregated with ``token_mean`` (1 / sum_i |o_i| sum_i sum_t). ``dual_clip`` (c > 1; None =
     off) bounds the loss of a negative-advantage token whose ratio has blown up (r > c).
-    Dynamic sampling is :class:`AdvantageConfig`'s ``drop_zero_variance``.
+    Dynamic sampling is :class:`forge_core.advantages.AdvantageConfig`'s ``drop_zero_variance``.
     """
 
     name: str = "dapo"
@@ -669,112 +664,3 @@ def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> 
         out.update(ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
     out["masked_frac"] = 1.0 - count / m.numel()
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Advantages
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class AdvantageConfig:
-    """How rewards of a group of samples of one prompt become advantages.
-
-    Attributes:
-        estimator: ``"zscore"`` (GRPO, arXiv:2402.03300 sec. 4.1.2), ``"mean"`` (Dr. GRPO,
-            arXiv:2503.20783: no std normalisation) or ``"rloo"`` (leave-one-out baseline,
-            Ahmadian et al., arXiv:2402.14740; Kool et al. 2019).
-        eps: added to the group std by ``zscore``.
-        drop_zero_variance: DAPO's dynamic-sampling filter (arXiv:2503.14476 eq. 11): drop
-            groups whose rewards are all equal (they carry no signal), see
-            :func:`compute_advantages`.
-    """
-
-    estimator: str = "zscore"
-    eps: float = 1e-6
-    drop_zero_variance: bool = False
-
-
-def group_advantages(
-    rewards: torch.Tensor, estimator: str = "zscore", eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages, one scalar per sample.
-
-    For a group of G rewards R_1..R_G of one prompt, mean m and *unbiased* std s (Bessel's
-    G - 1, as ``torch.std``):
-
-    * ``zscore``: A_i = (R_i - m) / (s + eps)        GRPO, arXiv:2402.03300 sec. 4.1.2;
-    * ``mean``:   A_i = R_i - m                       Dr. GRPO, arXiv:2503.20783 sec. 3.2;
-    * ``rloo``:   A_i = R_i - 1/(G-1) sum_{j!=i} R_j = G/(G-1) (R_i - m)
-      (REINFORCE leave-one-out, arXiv:2402.14740 eq. 5).
-
-    A group whose rewards are all exactly equal is flagged ``zero_variance`` and gets
-    advantages exactly 0 with every estimator (DAPO, arXiv:2503.14476: such groups give no
-    gradient). Computed in float64, returned as float32. With G = 1, ``zscore`` and ``mean``
-    return 0 (every group is flagged).
-
-    Args:
-        rewards: [N, G] rewards, N prompts with G samples each (any real dtype, finite).
-        estimator: ``"zscore" | "mean" | "rloo"``.
-        eps: added to the std (``zscore`` only), >= 0.
-
-    Returns:
-        ``(advantages [N, G] float32, zero_variance [N] bool)``, on ``rewards``' device.
-
-    Raises:
-        ValueError: unknown ``estimator`` (names the field), rewards not 2-D or not finite,
-            ``rloo`` with G < 2, or negative ``eps``.
-    """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown estimator={estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
-    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2:
-        shape = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
-        raise ValueError(f"rewards must be a [N, G] tensor, got {shape}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    n_groups, group = rewards.shape
-    r = rewards.detach().to(torch.float64)
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError("rewards must be finite (found nan or inf)")
-    if group == 0:
-        return r.float(), torch.zeros(n_groups, dtype=torch.bool, device=r.device)
-    zero_variance = (r == r[:, :1]).all(dim=1)
-    centred = r - r.mean(dim=1, keepdim=True)
-    if estimator == "zscore":
-        adv = centred / (r.std(dim=1, keepdim=True) + eps) if group > 1 else torch.zeros_like(r)
-    elif estimator == "mean":
-        adv = centred
-    else:
-        if group < 2:
-            raise ValueError(f"estimator='rloo' needs at least 2 samples per group, got G={group}")
-        adv = centred * (group / (group - 1))
-    adv = torch.where(zero_variance.unsqueeze(1), torch.zeros_like(adv), adv)
-    return adv.float(), zero_variance
-
-
-def compute_advantages(rewards: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Advantages per :class:`AdvantageConfig`, with DAPO's dynamic-sampling filter.
-
-    Args:
-        rewards: [N, G] rewards (N prompts x G samples).
-        cfg: :class:`AdvantageConfig` or a DictConfig with the same fields.
-
-    Returns:
-        ``(advantages [N, G] float32, keep [N] bool, metrics)``. ``keep`` is False for the
-        groups to drop (zero-variance groups when ``cfg.drop_zero_variance``, else all True):
-        train on ``advantages[keep]``. ``metrics``: ``zero_variance_groups`` (count),
-        ``zero_variance_frac`` and ``dropped_groups`` (count), as python floats.
-
-    Raises:
-        ValueError: as :func:`group_advantages`.
-    """
-    adv, zero_variance = group_advantages(rewards, cfg.estimator, float(cfg.eps))
-    keep = ~zero_variance if bool(cfg.drop_zero_variance) else torch.ones_like(zero_variance)
-    n_zero = int(zero_variance.sum())
-    metrics = {
-        "zero_variance_groups": float(n_zero),
-        "zero_variance_frac": n_zero / max(zero_variance.numel(), 1),
-        "dropped_groups": float(int((~keep).sum())),
-    }
-    return adv, keep, metrics
-

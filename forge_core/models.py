@@ -202,6 +202,18 @@ def gated_without_token(cfg: Any, env: Optional[Any] = None) -> Optional[str]:
             f"huggingface.co and pass a token (SkyPilot: `--secret HF_TOKEN`; SLURM/local: export HF_TOKEN)")
 
 
+def pretrained_dir(cfg: Any) -> Optional[str]:
+    """The HF-format directory (or hub id) to load ``cfg``'s pretrained weights from, or None when
+    the model starts from random weights (``model.init=random``, or a test model).
+
+    Raises:
+        ModelSourceError: a gated model without HF_TOKEN, or a missing package file.
+    """
+    if cfg.init == "random" or spec_of(cfg.name).config is not None:
+        return None
+    return _hf_source(cfg.name, cfg)
+
+
 def _hf_source(name: str, cfg: Any) -> str:
     spec = spec_of(name)
     if spec.source == "gguf":
@@ -287,28 +299,3 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
         raise ValueError(f"model.init must be 'pretrained' or 'random', got {cfg.init!r}")
     model.eval()
     return model
-
-
-def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                      temperature: float = 1.0) -> torch.Tensor:
-    """Per-token logprobs of the response tokens under ``model``.
-
-    The batch is laid out as the generator lays it out: prompts left-padded to ``prompt_len``
-    columns, responses right-padded after them.
-
-    Args:
-        input_ids: ``[B, P + R]`` token ids (int64), ``P = prompt_len``.
-        attention_mask: ``[B, P + R]`` 1 for real tokens, 0 for padding.
-        prompt_len: ``P``.
-        temperature: the sampling temperature; logits are divided by it (as the sampler did).
-    Returns:
-        ``[B, R]`` float32 logprobs of ``input_ids[:, P:]``; values under padding are meaningless.
-    The lm head runs only on the ``R`` response positions, not the prompt (saves ~P/(P+R) of it).
-    """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    logits = model.lm_head(hidden[:, prompt_len - 1:-1]).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, prompt_len:]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

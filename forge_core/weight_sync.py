@@ -1,187 +1,94 @@
-"""Versioned trainer -> generator weight transfer: Monarch ``RDMABuffer`` across nodes, CUDA IPC
-within one GPU node.
+"""Versioned trainer -> generator weight transfer: one staging buffer, three transports.
 
-The trainer owns one contiguous *staging* buffer holding every parameter back to back
-(:class:`FlatWeights`). ``publish`` copies the live parameters into it (one memcpy) and hands out a
-:class:`WeightHandle`: the version, the buffer wrapped in ``monarch.rdma.RDMABuffer`` (registered
-once; ibverbs where the hardware has it, Monarch's TCP fallback elsewhere) and the layout.
-A receiver keeps its own parameters as views into a flat buffer of the same layout, so
-``await handle.buffer.read_into(flat)`` writes the new weights straight into the model: no
-per-tensor copies, no pickling. The sender must not publish version v+1 before every receiver
-has finished reading version v; the controller enforces this by awaiting the pull.
+The trainer's rank 0 owns a *staging buffer* (:class:`StagingBuffer`): every published tensor back to
+back, in HF names and layout (what vLLM's ``load_weights`` and HF models take), in the receivers'
+dtype. ``publish`` casts and copies the live (possibly FSDP-sharded) fp32 master weights into it once;
+a :class:`WeightHandle` describes that version. A receiver gets the bytes by one transport, chosen
+per receiver by :func:`choose_transport` (``weight_sync.transport``):
 
-Within one node (the GPU path) the trainer's staging buffer lives on its GPU, in HF names and
-layout, in the generator's dtype (:class:`CudaFlatWeights`). Its handle also carries a CUDA IPC
-handle of that buffer (:func:`ipc_handle`), the host name and the GPU's UUID. A receiver on the
-same host opens it (:func:`open_ipc`: no host round trip, no copy when it shares the GPU, a
-device-to-device copy over NVLink/PCIe in buckets otherwise, see :func:`ipc_buckets`); a receiver
-on another host reads the same bytes through the RDMA buffer.
+    ipc    same host: CUDA IPC of the GPU buffer, or a shared-memory file (/dev/shm) of a CPU buffer.
+           The receiver loads straight from the sender's buffer; nothing is copied twice.
+    nccl   other hosts: a process group of the trainer's rank 0 and one receiver per remote node
+           (NCCL on GPUs: InfiniBand, RoCE, EFA through its plugin, or plain TCP sockets; gloo on
+           CPU); the trainer broadcasts the buffer in ``weight_sync.bucket_mb`` slices.
+    rdma   other hosts: Monarch ``RDMABuffer`` reads (ibverbs where both ends have a device, else
+           Monarch's TCP fallback).
 
-``FORGE_WEIGHT_SYNC=rdma`` in the environment makes every receiver take the cross-host path (RDMA
-buffer) even on the sender's host, so one GPU node measures what a multi-node layout will pay
-(``make bench`` with it set; see recipes/llama3_8b/README.md).
+A network transport lands in the receiver's own staging buffer (:class:`Receiver`), filled by a
+``WeightReceiver`` actor that lives in the generator's process while the generator keeps generating;
+only the swap (a device copy of the staged bytes into the engine's weights) waits for the generator,
+between two generate calls. The other replicas of that node then load from the staged buffer over
+IPC, so the bytes cross the network once per node. The sender must not overwrite its buffer before
+every receiver of version v has loaded it: the controller awaits the whole sync before the next publish.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
+import threading
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Optional
 
 import torch
+
+TRANSPORTS = ("ipc", "nccl", "rdma")
+
+
+@dataclass
+class GroupInfo:
+    """Rendezvous of a weight-transfer process group: the trainer's ``addr:port`` (a TCPStore),
+    ``world`` members (rank 0 = the trainer) and a generation number (a new group after a respawn)."""
+
+    addr: str
+    port: int
+    world: int
+    generation: int = 0
 
 
 @dataclass
 class WeightHandle:
-    """What a receiver needs to pull one weight version.
+    """What a receiver needs to load one weight version.
 
     Attributes:
-        version: the policy version (number of optimizer steps applied).
-        buffer: ``monarch.rdma.RDMABuffer`` over the sender's staging bytes.
-        layout: ``[(name, shape, numel)]`` in buffer order (element offsets are cumulative).
-        dtype: element dtype name, e.g. ``"float32"``.
+        version: the policy version (optimizer steps applied).
+        layout: ``[(hf_name, shape, numel)]`` in buffer order (element offsets are cumulative).
+        dtype: element dtype name, e.g. ``"bfloat16"``.
         nbytes: buffer size in bytes.
+        ipc: same-host access: ``("cuda", rebuild_fn, args, gpu_uuid, pid)`` or ``("shm", path, pid)``.
+        rdma: a ``monarch.rdma.RDMABuffer`` over the bytes, or None.
+        group: the nccl/gloo group the sender broadcasts to, or None.
     """
 
     version: int
-    buffer: Any
     layout: list
     dtype: str
     nbytes: int
-    ipc: Any = None  # (rebuild_fn, args) of torch's CUDA IPC reduction; None on CPU
-    host: str = ""  # the sender's hostname (IPC only works on the same host)
-    gpu_uuid: str = ""  # the sender's GPU (physical), to map the IPC device index in the receiver
-
-    def same_host(self) -> bool:
-        """True when this process runs on the sender's host (CUDA IPC usable) and
-        ``FORGE_WEIGHT_SYNC=rdma`` does not force the cross-host path."""
-        import socket
-
-        return bool(self.ipc) and self.host == socket.gethostname() and not force_rdma()
+    ipc: Any = None
+    rdma: Any = None
+    group: Optional[GroupInfo] = None
 
 
-def force_rdma() -> bool:
-    """``FORGE_WEIGHT_SYNC=rdma``: receivers on the sender's host use the RDMA buffer too."""
-    return os.environ.get("FORGE_WEIGHT_SYNC", "auto") == "rdma"
+def choose_transport(setting: str, same_host: bool, ibverbs: bool) -> tuple[str, str]:
+    """``(transport, why)`` for one receiver. ``auto``: ``ipc`` on the sender's host; across hosts
+    ``rdma`` when both ends have an ibverbs device, else ``nccl``. An explicit setting wins.
 
-
-def _params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    return list(model.named_parameters())  # tied weights appear once
-
-
-class FlatWeights:
-    """A model's parameters packed into one flat buffer.
-
-    ``share=True`` (receivers) re-points every parameter at a view of the buffer, so writing the
-    buffer updates the model. ``share=False`` (the trainer) keeps a separate staging copy that
-    :meth:`snapshot` refreshes, in ``dtype`` (the receivers' dtype, e.g. bf16 from fp32 master
-    weights: the cast happens once, on the sender, and halves the bytes sent).
-    """
-
-    def __init__(self, model: torch.nn.Module, share: bool, dtype: torch.dtype | None = None):
-        params = _params(model)
-        dtypes = {p.dtype for _, p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"weight sync needs one parameter dtype, found {dtypes}")
-        self.dtype = dtypes.pop()
-        if dtype is not None and dtype != self.dtype:
-            if share:
-                raise ValueError(f"a receiver's buffer must have its parameters' dtype {self.dtype}, not {dtype}")
-            self.dtype = dtype
-        self.layout = [(n, tuple(p.shape), p.numel()) for n, p in params]
-        total = sum(n for *_, n in self.layout)
-        self.flat = torch.empty(total, dtype=self.dtype, device=params[0][1].device)
-        self.params = [p for _, p in params]
-        off = 0
-        for p in self.params:
-            view = self.flat[off:off + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            if share:
-                p.data = view
-            off += p.numel()
-        self._rdma = None
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the buffer in bytes."""
-        return self.flat.numel() * self.flat.element_size()
-
-    def snapshot(self) -> None:
-        """Copy the live parameters into the staging buffer (trainer side)."""
-        off = 0
-        with torch.no_grad():
-            for p in self.params:
-                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                off += p.numel()
-
-    def handle(self, version: int) -> WeightHandle:
-        """A :class:`WeightHandle` for the buffer's current contents (registers it once)."""
-        if self._rdma is None:
-            from monarch.rdma import RDMABuffer
-
-            self._rdma = RDMABuffer(self.flat.view(torch.uint8))
-        return WeightHandle(version, self._rdma, self.layout, str(self.dtype).removeprefix("torch."), self.nbytes)
-
-    async def pull(self, handle: WeightHandle) -> float:
-        """Read ``handle``'s buffer into this (receiver) buffer. Returns the seconds it took.
-
-        Raises:
-            ValueError: if the sender's layout differs from this model's (names, shapes or dtype).
-        """
-        if handle.layout != self.layout or handle.dtype != str(self.dtype).removeprefix("torch."):
-            bad = next((a, b) for a, b in zip(handle.layout + [None], self.layout + [None]) if a != b)
-            raise ValueError(f"weight layout mismatch between trainer and receiver at {bad}")
-        t0 = time.perf_counter()
-        await handle.buffer.read_into(self.flat.view(torch.uint8))
-        return time.perf_counter() - t0
-
-    def digest(self) -> str:
-        """sha256 of the live parameters' bytes cast to the buffer dtype, in layout order
-        (for bitwise-equality checks between a sender and its receivers)."""
-        h = hashlib.sha256()
-        for p in self.params:
-            h.update(p.detach().to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
-
-
-# ---- in-node CUDA transport ------------------------------------------------------------------
-
-def gpu_uuid(device: torch.device | int | None = None) -> str:
-    """The physical identity of a CUDA device (stable across ``CUDA_VISIBLE_DEVICES`` orders)."""
-    return str(torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).uuid)
-
-
-def ipc_handle(t: torch.Tensor) -> tuple:
-    """A picklable CUDA IPC handle of ``t`` (``torch.multiprocessing``'s reduction). The sender
-    must keep ``t`` alive and unchanged while receivers read it."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    fn, args = reduce_tensor(t)
-    return fn, tuple(args)
-
-
-def open_ipc(handle: "WeightHandle") -> torch.Tensor:
-    """Open ``handle``'s CUDA IPC buffer in this process: a tensor aliasing the sender's GPU memory.
-
-    The device index in torch's handle is the sender's; it is replaced by this process's index of
-    the same physical GPU (found by UUID), so actors may order ``CUDA_VISIBLE_DEVICES`` freely.
     Raises:
-        RuntimeError: if the sender's GPU is not visible here.
+        ValueError: ``ipc`` for a receiver on another host, or an unknown setting.
     """
-    fn, args = handle.ipc
-    args = list(args)
-    local = None
-    for i in range(torch.cuda.device_count()):
-        if gpu_uuid(i) == handle.gpu_uuid:
-            local = i
-            break
-    if local is None:
-        raise RuntimeError(f"weight sync: the trainer's GPU {handle.gpu_uuid} is not visible in this process "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
-    args[6] = local  # storage_device
-    return fn(*args)
+    if setting == "auto":
+        if same_host:
+            return "ipc", "auto: same host"
+        return ("rdma", "auto: other host, ibverbs on both ends") if ibverbs else (
+            "nccl", "auto: other host, no ibverbs device on both ends")
+    if setting not in TRANSPORTS:
+        raise ValueError(f"weight_sync.transport={setting!r} must be auto or one of {TRANSPORTS}")
+    if setting == "ipc" and not same_host:
+        raise ValueError("weight_sync.transport=ipc cannot reach a receiver on another host")
+    return setting, "weight_sync.transport"
 
 
 def layout_views(flat: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor]]:
@@ -191,6 +98,133 @@ def layout_views(flat: torch.Tensor, layout: list) -> list[tuple[str, torch.Tens
         out.append((name, flat[off:off + n].view(shape)))
         off += n
     return out
+
+
+def digest_of(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over ``(name, tensor)`` pairs' bytes in the given order (a buffer's layout order)."""
+    h = hashlib.sha256()
+    for _, t in named:
+        h.update(t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def gpu_uuid(device: Any = None) -> str:
+    """The physical identity of a CUDA device (stable across ``CUDA_VISIBLE_DEVICES`` orders)."""
+    return str(torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).uuid)
+
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+_LOCAL: dict = {}  # (pid, id) -> tensor: buffers of this process, opened by ipc without a round trip
+
+
+class StagingBuffer:
+    """Every published tensor back to back (``layout`` order) in ``dtype`` on ``device``; CPU
+    buffers live in a shared-memory file so that processes of the same host can map them.
+
+    Args:
+        layout: ``[(hf_name, shape, numel)]``.
+        dtype: element dtype.
+        device: where the bytes live.
+    """
+
+    def __init__(self, layout: list, dtype: torch.dtype, device: Any):
+        self.layout = [(n, tuple(s), int(k)) for n, s, k in layout]
+        self.dtype = dtype
+        total = sum(k for *_, k in self.layout)
+        nbytes = total * torch.empty((), dtype=dtype).element_size()
+        self.path = None
+        if torch.device(device).type == "cpu" and _SHM_DIR:
+            self.path = os.path.join(_SHM_DIR, f"forge-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self.flat = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8).view(dtype)
+        else:
+            self.flat = torch.empty(total, dtype=dtype, device=device)
+        self.views = dict(layout_views(self.flat, self.layout))
+        self.key = (os.getpid(), uuid.uuid4().hex)
+        _LOCAL[self.key] = self.flat
+        self._rdma = None
+        self._ipc = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.flat.numel() * self.flat.element_size()
+
+    def fill(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(hf_name, tensor)`` pairs into the buffer (casting); every layout name must come.
+
+        Raises:
+            ValueError: an unknown name, a shape mismatch or a missing name.
+        """
+        seen = set()
+        with torch.no_grad():
+            for name, t in named:
+                v = self.views.get(name)
+                if v is None or tuple(v.shape) != tuple(t.shape):
+                    raise ValueError(f"weight sync: {name} {tuple(t.shape)} does not match the layout "
+                                     f"({None if v is None else tuple(v.shape)})")
+                v.copy_(t)
+                seen.add(name)
+        missing = [n for n, *_ in self.layout if n not in seen]
+        if missing:
+            raise ValueError(f"weight sync: tensors missing from the published weights: {missing[:3]}")
+        if self.flat.is_cuda:
+            torch.cuda.synchronize(self.flat.device)
+
+    def handle(self, version: int, rdma: bool = False, group: Optional[GroupInfo] = None) -> WeightHandle:
+        """A :class:`WeightHandle` of the current contents: same-host IPC always, an RDMA buffer when
+        ``rdma`` (registered once), the broadcast group when given."""
+        if self._ipc is None:
+            if self.flat.is_cuda:
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                fn, args = reduce_tensor(self.flat)
+                self._ipc = ("cuda", fn, tuple(args), gpu_uuid(self.flat.device), self.key)
+            else:
+                self._ipc = ("shm", self.path, self.key)
+        if rdma and self._rdma is None:
+            from monarch.rdma import RDMABuffer
+
+            self._rdma = RDMABuffer(self.flat.view(torch.uint8))
+        return WeightHandle(version, self.layout, str(self.dtype).removeprefix("torch."), self.nbytes, self._ipc,
+                            self._rdma if rdma else None, group)
+
+    def digest(self) -> str:
+        """sha256 of the buffer's bytes (layout order)."""
+        return hashlib.sha256(self.flat.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+    def close(self) -> None:
+        """Release the buffer (removes the shared-memory file)."""
+        _LOCAL.pop(self.key, None)
+        if self.path and os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def open_ipc(handle: WeightHandle) -> torch.Tensor:
+    """The sender's bytes of ``handle`` in this process, as a flat tensor of its dtype: the same
+    tensor in the sender's own process, an opened CUDA IPC handle (device index remapped by GPU UUID,
+    so processes may order ``CUDA_VISIBLE_DEVICES`` freely) or a mapped shared-memory file.
+
+    Raises:
+        RuntimeError: the sender's GPU is not visible here, or its shared-memory file is gone.
+    """
+    kind = handle.ipc[0]
+    key = handle.ipc[-1]
+    if key in _LOCAL:
+        return _LOCAL[key]
+    dtype = getattr(torch, handle.dtype)
+    if kind == "shm":
+        path = handle.ipc[1]
+        if not os.path.exists(path):
+            raise RuntimeError(f"weight sync: the sender's shared-memory buffer {path} is gone (sender died?)")
+        return torch.from_file(path, shared=True, size=handle.nbytes, dtype=torch.uint8).view(dtype)
+    _, fn, args, uuid_, _ = handle.ipc
+    args = list(args)
+    local = next((i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == uuid_), None)
+    if local is None:
+        raise RuntimeError(f"weight sync: the sender's GPU {uuid_} is not visible in this process "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+    args[6] = local  # storage_device
+    return fn(*args)
 
 
 def ipc_buckets(layout: list, bucket_elems: int) -> list[tuple[int, int, list]]:
@@ -209,14 +243,14 @@ def ipc_buckets(layout: list, bucket_elems: int) -> list[tuple[int, int, list]]:
     return out
 
 
-def load_from_ipc(model: torch.nn.Module, handle: "WeightHandle", bucket_bytes: int = 1 << 30) -> dict:
+def load_into_model(model: torch.nn.Module, handle: WeightHandle, bucket_bytes: int = 1 << 30) -> dict:
     """Load ``handle``'s weights (HF names) into a vLLM model through its ``load_weights``.
 
-    Same GPU: the views of the trainer's buffer go straight to ``load_weights`` (one device copy
-    per tensor, done by vLLM's weight loaders, which also fuse q/k/v and gate/up). Another GPU of
-    the node: buckets of ``bucket_bytes`` are copied device to device into a local staging buffer
-    (two, alternating, so the next copy overlaps this bucket's load), then loaded.
-    Runs inside the vLLM worker (``LLM.apply_model``); returns ``{"mode", "buckets"}``.
+    Same GPU: the views of the source buffer go straight to ``load_weights`` (one device copy per
+    tensor, done by vLLM's weight loaders, which also fuse q/k/v and gate/up and shard for TP).
+    Another GPU of the node: buckets of ``bucket_bytes`` are copied device to device into a local
+    buffer (two, alternating, so the next copy overlaps this bucket's load), then loaded.
+    Runs inside the vLLM worker(s) (``LLM.apply_model``); returns ``{"mode", "buckets"}``.
     """
     remote = open_ipc(handle)
     dev = next(model.parameters()).device
@@ -224,96 +258,191 @@ def load_from_ipc(model: torch.nn.Module, handle: "WeightHandle", bucket_bytes: 
     if remote.device == dev:
         model.load_weights(layout_views(remote, handle.layout))
         torch.cuda.synchronize(dev)
-        return {"mode": "ipc_same_gpu", "buckets": 1}
-    elem = remote.element_size()
-    buckets = ipc_buckets(handle.layout, max(bucket_bytes // elem, 1))
+        return {"mode": "same_gpu", "buckets": 1}
+    buckets = ipc_buckets(handle.layout, max(bucket_bytes // remote.element_size(), 1))
     biggest = max(e - s for s, e, _ in buckets)
-    staging = [torch.empty(biggest, dtype=remote.dtype, device=dev) for _ in range(2)]
-    copy_stream = torch.cuda.Stream(dev)
-    s0, e0, _ = buckets[0]
-    with torch.cuda.stream(copy_stream):
-        staging[0][:e0 - s0].copy_(remote[s0:e0], non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record(copy_stream)
+    local = [torch.empty(biggest, dtype=remote.dtype, device=dev) for _ in range(2)]
+    side = torch.cuda.Stream(dev)
+    ev = None
     for i, (s, e, entries) in enumerate(buckets):
+        if i == 0:
+            with torch.cuda.stream(side):
+                local[0][:e - s].copy_(remote[s:e], non_blocking=True)
+            ev = side.record_event()
         torch.cuda.current_stream(dev).wait_event(ev)
         if i + 1 < len(buckets):
             s2, e2, _ = buckets[i + 1]
-            copy_stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(copy_stream):
-                staging[(i + 1) % 2][:e2 - s2].copy_(remote[s2:e2], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(copy_stream)
-        model.load_weights(layout_views(staging[i % 2][:e - s], entries))
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                local[(i + 1) % 2][:e2 - s2].copy_(remote[s2:e2], non_blocking=True)
+            ev = side.record_event()
+        model.load_weights(layout_views(local[i % 2][:e - s], entries))
     torch.cuda.synchronize(dev)
-    return {"mode": "ipc_peer_gpu", "buckets": len(buckets)}
+    return {"mode": "peer_gpu", "buckets": len(buckets)}
 
 
-class CudaFlatWeights:
-    """The GPU trainer's staging buffer: every published tensor back to back, in HF names and
-    layout, in the generator's dtype, on the trainer's GPU (see the module docstring).
+# ---- process groups (nccl transport) -------------------------------------------------------
+
+_GROUPS: dict = {}  # (addr, port, generation, rank) -> process group
+
+
+def group(info: GroupInfo, rank: int, timeout_s: float, cuda: bool, store: Any = None) -> Any:
+    """This process's member ``rank`` of the weight-transfer group ``info`` (created once; NCCL
+    for ``cuda`` buffers, gloo for CPU ones), without touching ``torch.distributed``'s default
+    group (the trainer's FSDP group may exist alongside). Blocks until every member joined.
+
+    Raises:
+        TimeoutError: the group did not form within ``timeout_s``, naming the rendezvous address.
+    """
+    import torch.distributed as dist
+
+    key = (info.addr, info.port, info.generation, rank)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if store is None:
+            store = dist.TCPStore(info.addr, info.port, info.world, False, timeout=timeout)
+        store = dist.PrefixStore(f"forge-weights-{info.generation}", store)
+        if cuda:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, info.world, opts)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, info.world, timeout)
+    except Exception as e:  # torch raises DistStoreError / RuntimeError on timeouts
+        raise TimeoutError(f"weight sync (nccl): member {rank}/{info.world} could not form the group at "
+                           f"{info.addr}:{info.port} within {timeout_s:g} s: {str(e)[:300]}") from None
+    _GROUPS[key] = pg
+    return pg
+
+
+def broadcast(pg: Any, flat: torch.Tensor, bucket_bytes: int) -> None:
+    """Broadcast ``flat`` from rank 0 to every member in slices of ``bucket_bytes`` (in place on
+    receivers); on CUDA on a side stream, so the caller's stream is not held; returns when done."""
+    import torch.distributed as dist
+
+    raw = flat.view(torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    stream = torch.cuda.Stream(raw.device) if raw.is_cuda else None
+    with torch.cuda.stream(stream) if stream is not None else _nullctx():
+        works = [pg.broadcast([raw[i:i + bucket_bytes]], opts) for i in range(0, raw.numel(), bucket_bytes)]
+        for w in works:
+            w.wait()
+    if stream is not None:
+        stream.synchronize()
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+class Sender:
+    """The trainer rank 0's side of the nccl transport: hosts the group's TCPStore (port from the
+    OS) and broadcasts each published version in a background thread, so training goes on.
 
     Args:
-        layout: ``[(hf_name, shape, numel)]`` (see :func:`forge_core.titan.hf_layout`).
-        dtype: the receivers' dtype.
-        device: the trainer's GPU.
+        addr: an address of this host that every receiver can reach.
+        timeout_s: group formation and transfer timeout.
     """
 
-    def __init__(self, layout: list, dtype: torch.dtype, device: torch.device):
-        self.layout = [(n, tuple(s), int(k)) for n, s, k in layout]
-        self.dtype = dtype
-        self.flat = torch.empty(sum(k for *_, k in self.layout), dtype=dtype, device=device)
-        self.views = dict(layout_views(self.flat, self.layout))
-        self._rdma = None
-        self._ipc = None
+    def __init__(self, addr: str, timeout_s: float):
+        import torch.distributed as dist
 
-    @property
-    def nbytes(self) -> int:
-        """Size of the buffer in bytes."""
-        return self.flat.numel() * self.flat.element_size()
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.addr = addr
+        self.generation = 0
+        self.world = 1
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+        self.last_s = 0.0
 
-    def fill(self, named: "Any") -> None:
-        """Copy ``(hf_name, tensor)`` pairs into the buffer (casting); every layout name must come.
+    def info(self, world: int, generation: int) -> GroupInfo:
+        """The group to broadcast to: ``world`` members including this sender."""
+        self.world, self.generation = world, generation
+        return GroupInfo(self.addr, self.store.port, world, generation)
+
+    def start(self, flat: torch.Tensor, bucket_bytes: int) -> None:
+        """Broadcast ``flat`` in the background (joins the previous broadcast first)."""
+        self.wait()
+        info = GroupInfo(self.addr, self.store.port, self.world, self.generation)
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                broadcast(group(info, 0, self.timeout_s, flat.is_cuda, self.store), flat, bucket_bytes)
+            except BaseException as e:  # reported by wait()
+                self.error = e
+            self.last_s = time.perf_counter() - t0
+
+        self.thread = threading.Thread(target=run, name="forge-weight-send", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> float:
+        """Join the running broadcast; returns its seconds. Raises what the broadcast raised."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RuntimeError(f"weight sync (nccl) send failed: {e}") from e
+        return self.last_s
+
+
+class Receiver:
+    """A receiver's own staging buffer for the network transports (nccl, rdma), registered in this
+    process by ``name`` so that the generator actor of the same process can load from it.
+
+    Args:
+        name: the generator replica's name (the registry key).
+        device: where to stage (the engine's GPU, or CPU).
+    """
+
+    def __init__(self, name: str, device: Any):
+        self.name, self.device = name, device
+        self.buf: Optional[StagingBuffer] = None
+        self.version = -1
+        RECEIVERS[name] = self
+
+    async def fetch(self, handle: WeightHandle, transport: str, rank: int, timeout_s: float, bucket_bytes: int) -> dict:
+        """Fill the staging buffer with ``handle``'s bytes over ``transport`` (``nccl``: as member
+        ``rank`` of the handle's group; ``rdma``: an RDMA read). Returns ``{"transfer_s", "gb_s"}``.
 
         Raises:
-            ValueError: on an unknown name, a shape mismatch or a missing name.
+            TimeoutError / RuntimeError: the group did not form or the transfer failed, naming the ends.
         """
-        seen = set()
-        with torch.no_grad():
-            for name, t in named:
-                v = self.views.get(name)
-                if v is None or tuple(v.shape) != tuple(t.shape):
-                    raise ValueError(f"weight sync: {name} {tuple(t.shape)} does not match the layout "
-                                     f"({None if v is None else tuple(v.shape)})")
-                v.copy_(t)
-                seen.add(name)
-        missing = [n for n, *_ in self.layout if n not in seen]
-        if missing:
-            raise ValueError(f"weight sync: tensors missing from the published weights: {missing[:3]}")
-        torch.cuda.synchronize(self.flat.device)
+        dtype = getattr(torch, handle.dtype)
+        if self.buf is None or self.buf.layout != [(n, tuple(s), int(k)) for n, s, k in handle.layout] \
+                or self.buf.dtype != dtype:
+            self.buf = StagingBuffer(handle.layout, dtype, self.device)
+        t0 = time.perf_counter()
+        if transport == "nccl":
+            import asyncio
 
-    def handle(self, version: int, rdma: bool = False) -> WeightHandle:
-        """A handle carrying the CUDA IPC handle (and an RDMA buffer when ``rdma``, for receivers
-        on other hosts; registered once)."""
-        import socket
+            pg = await asyncio.to_thread(group, handle.group, rank, timeout_s, self.buf.flat.is_cuda)
+            await asyncio.to_thread(broadcast, pg, self.buf.flat, bucket_bytes)
+        elif transport == "rdma":
+            if handle.rdma is None:
+                raise RuntimeError("weight sync (rdma): the trainer published no RDMA buffer")
+            await handle.rdma.read_into(self.buf.flat.view(torch.uint8))
+        else:
+            raise ValueError(f"Receiver.fetch: {transport!r} is not a network transport")
+        dt = time.perf_counter() - t0
+        self.version = handle.version
+        return {"transfer_s": dt, "gb_s": handle.nbytes / max(dt, 1e-9) / 1e9}
 
-        if rdma and self._rdma is None:
-            from monarch.rdma import RDMABuffer
-
-            self._rdma = RDMABuffer(self.flat.view(torch.uint8))
-        if self._ipc is None:
-            self._ipc = ipc_handle(self.flat)
-        return WeightHandle(version, self._rdma if rdma else None, self.layout, str(self.dtype).removeprefix("torch."),
-                            self.nbytes, ipc=self._ipc, host=socket.gethostname(), gpu_uuid=gpu_uuid(self.flat.device))
-
-    def digest(self) -> str:
-        """sha256 of the buffer's bytes (layout order), as :meth:`FlatWeights.digest` computes it."""
-        return hashlib.sha256(self.flat.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    def handle(self, version: int) -> WeightHandle:
+        """A same-host handle of the staged bytes (for loading, here and by the node's other replicas)."""
+        if self.buf is None or self.version != version:
+            raise RuntimeError(f"weight sync: {self.name} has not staged version {version} (holds {self.version})")
+        return self.buf.handle(version)
 
 
-def digest_of(named: "Any") -> str:
-    """sha256 over ``(name, tensor)`` pairs' bytes in the given order (the layout's)."""
-    h = hashlib.sha256()
-    for _, t in named:
-        h.update(t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes())
-    return h.hexdigest()
+RECEIVERS: dict[str, Receiver] = {}

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from forge_core.config import ConfigError, load_config
-from forge_core.gpu_layout import plan_gpus, visible_devices
-from forge_core.models import ModelConfig, hf_config_dict, load_model, response_logprobs
+from forge_core.layout import plan_layout, visible_devices
+from forge_core.models import ModelConfig, hf_config_dict, load_model
+from hf_reference import response_logprobs
 
 
 def test_gpu_config_validation():
@@ -26,17 +27,23 @@ def test_gpu_config_validation():
     assert cfg.trainer.activation_checkpointing is False and cfg.trainer.tp == 1
 
 
+def _gpus(plan):
+    return {"generator": plan.generators[0].gpus, "trainer": plan.trainer.gpus, "reference": plan.reference.gpus}
+
+
 def test_layout_planning():
-    one = plan_gpus(load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0"]))
-    assert one.colocated and one.gpus == {"generator": [0], "trainer": [0], "reference": [0]}
-    three = plan_gpus(load_config("qwen3_1_7b"))
-    assert not three.colocated and three.gpus == {"generator": [0], "trainer": [1], "reference": [2]}
-    eight = plan_gpus(load_config("qwen3_8b"))
-    assert eight.gpus == {"generator": [0, 1], "trainer": [2, 3, 4, 5], "reference": [6, 7]}
-    two_nodes = plan_gpus(load_config("llama3_8b"))
-    assert two_nodes.gpus["generator"] == list(range(8)) and two_nodes.gpus["reference"] == [6, 7]
-    assert plan_gpus(load_config("smollm2_135m")).gpus == {}
-    assert visible_devices([2], 4) == "2,0,1,3" and visible_devices([1, 2], 3) == "1,2,0"
+    one = plan_layout(load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0"]))
+    assert one.colocated and _gpus(one) == {"generator": [0], "trainer": [0], "reference": [0]}
+    three = plan_layout(load_config("qwen3_1_7b"))
+    assert not three.colocated and _gpus(three) == {"generator": [0], "trainer": [1], "reference": [2]}
+    eight = plan_layout(load_config("qwen3_8b", ["layout.generator.tp=2", "layout.generator.replicas=1",
+                                                 "layout.trainer.gpus=4", "layout.reference.gpus=2"]))
+    assert _gpus(eight) == {"generator": [0, 1], "trainer": [2, 3, 4, 5], "reference": [6, 7]}
+    two_nodes = plan_layout(load_config("llama3_8b", ["layout.generator.tp=8", "layout.generator.replicas=1",
+                                                      "layout.trainer.gpus=6", "layout.reference.gpus=2"]))
+    assert two_nodes.generators[0].gpus == list(range(8)) and two_nodes.reference.gpus == [6, 7]
+    assert all(not s.gpus for s in [*plan_layout(load_config("smollm2_135m")).generators])
+    assert visible_devices([2], 4, inherited="") == "2,0,1,3" and visible_devices([1, 2], 3, inherited="") == "1,2,0"
 
 
 def test_registry_architectures_offline():

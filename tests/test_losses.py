@@ -14,14 +14,12 @@ import pytest
 import torch
 
 from forge_core import losses as L
+from forge_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, group_advantages
 from forge_core.losses import (
     LOSS_CONFIGS,
     METRIC_KEYS,
-    AdvantageConfig,
     aggregate,
-    compute_advantages,
     compute_loss,
-    group_advantages,
     kl_estimate,
     make_loss_config,
 )
@@ -733,7 +731,7 @@ def test_advantages_hand_computed():
     assert adv[1].tolist() == [0.0] * 4
 
 
-@pytest.mark.parametrize("estimator", L.ADVANTAGE_ESTIMATORS)
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
 def test_advantages_match_loop_reference(estimator):
     g = torch.Generator().manual_seed(41)
     rewards = torch.randn(7, 5, generator=g, dtype=F64)

@@ -4,7 +4,8 @@ import os
 
 import torch
 
-from forge_core.models import ModelConfig, converted_smollm2, load_model, load_tokenizer, response_logprobs, smollm2_gguf_path
+from forge_core.models import ModelConfig, converted_smollm2, load_model, load_tokenizer, smollm2_gguf_path
+from hf_reference import response_logprobs
 
 
 def test_gguf_file_is_found_without_importing_the_package():

@@ -2,13 +2,13 @@
 
 Backends: ``hf`` (transformers ``generate``, CPU) here; ``vllm`` (GPU) in
 :mod:`forge_core.actors.vllm_generator`. Both expose the same endpoints. The generator holds a
-policy version; :meth:`Generator.update_weights` pulls a new version from the trainer
-(:mod:`forge_core.weight_sync`) between generations, never during one.
+policy version; :meth:`Generator.update_weights` loads a new version (from the trainer's buffer
+over IPC, or from bytes a ``WeightReceiver`` of this process staged, see :mod:`forge_core.weight_sync`)
+between generations, never during one: Monarch runs one message of an actor at a time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Optional
 
@@ -20,7 +20,7 @@ from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
 from forge_core.models import load_model, load_tokenizer
-from forge_core.weight_sync import FlatWeights, WeightHandle
+from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
 
 class _StopAfterAnswer:
@@ -85,23 +85,52 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     return results
 
 
+def flatten_parameters(model: torch.nn.Module) -> tuple[torch.Tensor, list]:
+    """Re-point every parameter of ``model`` at a view of one new flat buffer (same dtype), so that
+    writing the buffer updates the model. Returns ``(flat, layout)`` with ``layout`` =
+    ``[(name, shape, numel)]`` in ``named_parameters`` order (tied weights once, as HF names them).
+
+    Raises:
+        ValueError: the parameters do not share one dtype.
+    """
+    params = list(model.named_parameters())
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"weight sync needs one parameter dtype, found {dtypes}")
+    layout = [(n, tuple(p.shape), p.numel()) for n, p in params]
+    flat = torch.empty(sum(k for *_, k in layout), dtype=dtypes.pop())
+    for (_, p), (_, view) in zip(params, layout_views(flat, layout)):
+        view.copy_(p.detach())
+        p.data = view
+    return flat, layout
+
+
 class Generator(Actor):
     """Rollout generation on CPU with transformers (``generator.backend=hf``).
 
     Args:
-        cfg: the run's config (as a plain dict; see :class:`forge_core.config.Config`).
+        generator: the ``generator`` config section.
+        model: the ``model`` config section.
+        system_prompt: the chat system message.
+        seed, threads: process seed and torch threads.
+        replica: this replica's name (``generator`` or ``generator_<i>``); its staged weights are
+            registered under it (:data:`forge_core.weight_sync.RECEIVERS`).
     """
 
-    def __init__(self, cfg: dict):
+    def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
+                 replica: str = "generator"):
         from omegaconf import OmegaConf
 
-        self.cfg = OmegaConf.create(cfg)
-        setup_process(self.cfg.threads_per_actor, self.cfg.seed)
-        self.tok = load_tokenizer(self.cfg.model)
-        self.model = load_model(self.cfg.model, dtype=getattr(torch, self.cfg.generator.dtype))
-        self.weights = FlatWeights(self.model, share=True)
+        from forge_core.models import ModelConfig
+
+        self.g = OmegaConf.create(generator)
+        self.name, self.system_prompt = replica, system_prompt
+        setup_process(threads, seed)
+        mc = ModelConfig(**model)
+        self.tok = load_tokenizer(mc)
+        self.model = load_model(mc, dtype=getattr(torch, self.g.dtype))
+        self.flat, self.layout = flatten_parameters(self.model)
         self.version = 0
-        self.lock = asyncio.Lock()  # generation and weight updates never interleave
 
     @endpoint
     async def generate(self, problems: list[Problem], seed: int) -> tuple[list[Episode], dict]:
@@ -110,13 +139,12 @@ class Generator(Actor):
         ``seed`` seeds the sampler, so a batch is reproducible from (weights, problems, seed).
         Every episode records ``policy_version`` = the version of the weights that sampled it.
         """
-        g = self.cfg.generator
-        async with self.lock:
-            t0 = time.perf_counter()
-            texts = [chat_prompt(self.tok, p.question, self.cfg.data.system_prompt) for p in problems]
-            outs = hf_generate(self.model, self.tok, texts, g.group_size, g.max_response_tokens, g.max_prompt_tokens,
-                               g.temperature, g.top_p, seed=seed)
-            dt = time.perf_counter() - t0
+        g = self.g
+        t0 = time.perf_counter()
+        texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
+        outs = hf_generate(self.model, self.tok, texts, g.group_size, g.max_response_tokens, g.max_prompt_tokens,
+                           g.temperature, g.top_p, seed=seed)
+        dt = time.perf_counter() - t0
         eps = [Episode(prompt_id=problems[i // g.group_size].id, group=i // g.group_size,
                        target=problems[i // g.group_size].answer, prompt_ids=o["prompt_ids"],
                        response_ids=o["response_ids"], behaviour_logprobs=o["logprobs"], text=o["text"],
@@ -125,12 +153,26 @@ class Generator(Actor):
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt}
 
     @endpoint
-    async def update_weights(self, handle: WeightHandle) -> dict:
-        """Pull weight version ``handle.version`` from the trainer; returns ``{"version", "sync_s", "sync_gb_s"}``."""
-        async with self.lock:
-            dt = await self.weights.pull(handle)
-            self.version = handle.version
-        return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9}
+    async def update_weights(self, handle: WeightHandle, staged: bool = False) -> dict:
+        """Load weight version ``handle.version``: from ``handle``'s buffer over IPC, or, with
+        ``staged``, from what this process's ``WeightReceiver`` fetched. Returns ``{"version",
+        "sync_s" (seconds generation waited: the copy), "sync_gb_s", "mode"}``.
+
+        Raises:
+            ValueError: the sender's layout or dtype differs from this model's.
+        """
+        if staged:
+            handle = RECEIVERS[self.name].handle(handle.version)
+        if [tuple(x[:2]) for x in handle.layout] != [tuple(x[:2]) for x in self.layout] or \
+                handle.dtype != str(self.flat.dtype).removeprefix("torch."):
+            bad = next(((a, b) for a, b in zip(handle.layout + [None], self.layout + [None]) if a != b), handle.dtype)
+            raise ValueError(f"weight layout mismatch between trainer and {self.name} at {bad}")
+        t0 = time.perf_counter()
+        self.flat.copy_(open_ipc(handle))
+        dt = time.perf_counter() - t0
+        self.version = handle.version
+        return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / max(dt, 1e-9) / 1e9,
+                "mode": "staged" if staged else "ipc"}
 
     @endpoint
     async def get_version(self) -> int:
@@ -139,8 +181,8 @@ class Generator(Actor):
 
     @endpoint
     async def weights_digest(self) -> str:
-        """sha256 of the loaded weights (see :meth:`FlatWeights.digest`)."""
-        return self.weights.digest()
+        """sha256 of the loaded weights in layout order (equals the trainer's for the same bits)."""
+        return digest_of(layout_views(self.flat, self.layout))
 
     @endpoint
     async def state_dict(self) -> dict:

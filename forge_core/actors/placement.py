@@ -1,8 +1,6 @@
-"""A tiny actor that reports where its process runs (hostname, addresses, pid).
-
-The controller spawns one next to each service actor (same process) and writes the answers to
-``<run>/actors.json``, so a multi-node run records which node hosted which service.
-"""
+"""A tiny actor beside every service actor (same process): where the process runs, a free TCP
+port from the OS (for ``torch.distributed`` rendezvous of a service's ranks) and whether Monarch
+sees an ibverbs device there. The controller writes the answers to ``<run>/actors.json``."""
 
 from __future__ import annotations
 
@@ -28,10 +26,21 @@ def host_addresses() -> list[str]:
         return []
 
 
+def free_port() -> int:
+    """A TCP port the OS reports free on this host (bound and released)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 class Placement(Actor):
     """Reports the host it runs on."""
 
     @endpoint
     async def where(self) -> dict:
-        """``{"hostname", "ips", "pid"}`` of this actor's process."""
-        return {"hostname": socket.gethostname(), "ips": host_addresses(), "pid": os.getpid()}
+        """``{"hostname", "ips", "pid", "free_port", "ibverbs"}`` of this actor's process;
+        ``ibverbs``: Monarch sees an ibverbs RDMA device here (InfiniBand, RoCE, EFA)."""
+        from monarch.rdma import is_ibverbs_available
+
+        return {"hostname": socket.gethostname(), "ips": host_addresses(), "pid": os.getpid(), "free_port": free_port(),
+                "ibverbs": bool(is_ibverbs_available())}

@@ -8,11 +8,11 @@
   start-up, then every step), so no checkpoint is read twice and a random-init run needs none.
 - Sampling: ``n = group_size`` completions per prompt, ``logprobs=0`` (the sampled token's
   logprob), ``logprobs_mode=processed_logprobs`` (the tempered distribution sampled from).
-- Weight updates (:meth:`VllmGenerator.update_weights`) never restart the engine: the trainer's
-  buffer is opened through CUDA IPC and fed to the model's ``load_weights`` inside the worker(s)
-  (``LLM.apply_model`` / ``collective_rpc``; bucketed when the trainer is on another GPU); a
-  receiver on another host reads it through RDMA into a local GPU buffer first. The prefix cache is
-  reset after every update (cached KV was computed by the old weights).
+- Weight updates (:meth:`VllmGenerator.update_weights`) never restart the engine: a same-host
+  buffer (the trainer's, or the bytes this process's ``WeightReceiver`` staged from another host)
+  is opened through CUDA IPC and fed to the model's ``load_weights`` inside the worker(s)
+  (``LLM.apply_model``; bucketed when the buffer is on another GPU). The prefix cache is reset
+  after every update (cached KV was computed by the old weights).
 - Colocated mode (``layout.gpus_per_node=1``: trainer, reference and generator on one GPU):
   ``enable_sleep_mode``; after each generation the engine sleeps (level 1: weights offloaded to
   host memory, KV cache freed) so the trainer has the memory; an update wakes the weights only;
@@ -79,19 +79,10 @@ def hf_views_of_vllm(params: dict, layout: list, hf: dict) -> list:
     return out
 
 
-def _load_ipc(model, handle, bucket_bytes):  # runs in every vLLM worker (picklable: module level)
-    from forge_core.weight_sync import load_from_ipc
+def _load(model, handle, bucket_bytes):  # runs in every vLLM worker (picklable: module level)
+    from forge_core.weight_sync import load_into_model
 
-    return load_from_ipc(model, handle, bucket_bytes)
-
-
-def _load_flat(model, flat, layout):
-    from forge_core.weight_sync import layout_views
-    import torch
-
-    model.load_weights(layout_views(flat.to(next(model.parameters()).device), layout))
-    torch.cuda.synchronize()
-    return {"mode": "rdma"}
+    return load_into_model(model, handle, bucket_bytes)
 
 
 def _digest(model, layout, hf):
@@ -108,50 +99,56 @@ class VllmGenerator(Actor):
     """Rollout generation with vLLM (``generator.backend=vllm``).
 
     Args:
-        cfg: the run's config as a plain dict.
+        generator: the ``generator`` config section.
+        model: the ``model`` config section.
+        system_prompt: the chat system message.
+        seed, threads: process seed and torch threads.
+        replica: this replica's name (its staged weights are registered under it).
         gpus: physical GPU indices of this node for this engine (TP = their number);
             ``CUDA_VISIBLE_DEVICES`` is set from them before CUDA starts.
         colocated: share the GPU with the trainer: sleep between generations.
         per_node: GPUs on this node (the others stay visible, after the engine's own).
+        bucket_mb: peer-GPU copy unit of weight updates (``weight_sync.bucket_mb``).
     """
 
-    def __init__(self, cfg: dict, gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0):
+    def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
+                 replica: str = "generator", gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0,
+                 bucket_mb: int = 1024):
         from omegaconf import OmegaConf
 
         from forge_core.actors import setup_process
-        from forge_core.gpu_layout import visible_devices
+        from forge_core.layout import visible_devices
 
-        self.cfg = OmegaConf.create(cfg)
-        g = self.cfg.generator
+        g = self.g = OmegaConf.create(generator)
+        self.model_name, self.name, self.system_prompt, self.seed = model["name"], replica, system_prompt, seed
         self.tp = max(len(gpus or [0]), 1)
         if gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, per_node)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function to TP workers
-        setup_process(max(self.cfg.threads_per_actor, 4), self.cfg.seed)
+        setup_process(max(threads, 4), seed)
         from vllm import LLM
 
-        from forge_core.models import hf_config_dict, load_tokenizer
+        from forge_core.models import ModelConfig, hf_config_dict, load_tokenizer
 
-        self.hf = hf_config_dict(self.cfg.model.name)
-        self.tok = load_tokenizer(self.cfg.model)
+        self.hf = hf_config_dict(self.model_name)
+        self.tok = load_tokenizer(ModelConfig(**model))
         self.eos = self.tok.eos_token_id
         self.colocated = colocated
-        self.sleep_level = int(os.environ.get("FORGE_VLLM_SLEEP_LEVEL", "1"))
         self.max_len = g.max_prompt_tokens + g.max_response_tokens
         t0 = time.perf_counter()
-        self.llm = LLM(model=vllm_model_dir(self.cfg.model.name, self.max_len), skip_tokenizer_init=True,
+        self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
                        load_format="dummy", dtype=g.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
                        max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
-                       seed=self.cfg.seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated,
-                       max_num_seqs=int(os.environ.get("FORGE_VLLM_MAX_NUM_SEQS", "256")))
+                       seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated,
+                       max_num_seqs=g.max_num_seqs)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
         self.awake = {"weights", "kv_cache"}
         self.lock = asyncio.Lock()
         self.layout: Optional[list] = None
-        self.bucket_bytes = int(os.environ.get("FORGE_SYNC_BUCKET_MB", "1024")) << 20
+        self.bucket_bytes = int(bucket_mb) << 20
 
     # ---- sleep / wake (colocated mode) --------------------------------------------------------
     def _wake(self, tags: list) -> float:
@@ -167,21 +164,21 @@ class VllmGenerator(Actor):
         if not self.colocated or not self.awake:
             return 0.0
         t0 = time.perf_counter()
-        self.llm.sleep(level=self.sleep_level)
+        self.llm.sleep(level=self.g.sleep_level)
         self.awake = set()
         return time.perf_counter() - t0
 
     # ---- generation ---------------------------------------------------------------------------
     def prompt_ids(self, problems: list[Problem]) -> list[list[int]]:
         """Chat-formatted, tokenized prompts, left-truncated to ``generator.max_prompt_tokens``."""
-        g = self.cfg.generator
-        texts = [chat_prompt(self.tok, p.question, self.cfg.data.system_prompt) for p in problems]
+        g = self.g
+        texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
         return [ids[-g.max_prompt_tokens:] for ids in self.tok(texts, add_special_tokens=False).input_ids]
 
     def _sampling(self, n: int, max_tokens: int, ignore_eos: bool = False, seed: Optional[int] = None):
         from vllm import SamplingParams
 
-        g = self.cfg.generator
+        g = self.g
         return SamplingParams(n=n, temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens, logprobs=0,
                               stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
                               detokenize=False, seed=seed)
@@ -196,7 +193,7 @@ class VllmGenerator(Actor):
         """G episodes per problem (problem-major order) and ``{"gen_s", "gen_tokens", "gen_tok_s",
         "wake_s", "sleep_s"}``. vLLM's sampler is seeded once per engine (``seed`` of the run):
         per-request seeds would make its sampler loop over requests, so ``seed`` is recorded only."""
-        g = self.cfg.generator
+        g = self.g
         async with self.lock:
             wake_s = self._wake(["weights", "kv_cache"])
             t0 = time.perf_counter()
@@ -249,29 +246,25 @@ class VllmGenerator(Actor):
 
     # ---- weights ------------------------------------------------------------------------------
     @endpoint
-    async def update_weights(self, handle: WeightHandle) -> dict:
+    async def update_weights(self, handle: WeightHandle, staged: bool = False) -> dict:
         """Apply weight version ``handle.version`` in place (no engine restart), then reset the
-        prefix cache. Returns ``{"version", "sync_s", "sync_gb_s", "mode", "wake_s"}``; ``sync_s``
-        is the load alone (wake-up excluded, reported apart)."""
+        prefix cache: from ``handle``'s same-host buffer, or, with ``staged``, from the bytes this
+        process's ``WeightReceiver`` fetched. Returns ``{"version", "sync_s", "sync_gb_s", "mode",
+        "wake_s"}``; ``sync_s`` is the load alone (the time generation waits; wake-up reported apart)."""
+        from forge_core.weight_sync import RECEIVERS
+
+        if staged:
+            handle = RECEIVERS[self.name].handle(handle.version)
         async with self.lock:
             wake_s = self._wake(["weights"])
             t0 = time.perf_counter()
-            if handle.same_host():
-                r = self.llm.apply_model(lambda m, h=handle, b=self.bucket_bytes: _load_ipc(m, h, b))[0]
-            elif handle.buffer is not None:
-                import torch
-
-                flat = torch.empty(handle.nbytes, dtype=torch.uint8, device="cuda")
-                await handle.buffer.read_into(flat)
-                flat = flat.view(getattr(torch, handle.dtype))
-                r = self.llm.apply_model(lambda m, f=flat, l=handle.layout: _load_flat(m, f, l))[0]
-            else:
-                raise ValueError("weight handle has neither a same-host CUDA IPC handle nor an RDMA buffer")
+            r = self.llm.apply_model(lambda m, h=handle, b=self.bucket_bytes: _load(m, h, b))[0]
             self.llm.reset_prefix_cache()
             dt = time.perf_counter() - t0
             self.version = handle.version
             self.layout = handle.layout
-        return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9, "wake_s": wake_s, **r}
+        return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9, "wake_s": wake_s,
+                "mode": ("staged_" if staged else "") + r["mode"]}
 
     @endpoint
     async def release(self) -> float:

@@ -1,4 +1,4 @@
-"""GPU tests (marker ``gpu``): the checks of :mod:`tests.gpu.gpu_check` through real actors.
+"""GPU tests (marker ``gpu``): the checks of :mod:`benchmarks.gpu_check` through real actors.
 Skipped, with the reason, on machines without a CUDA GPU or without vLLM (the GPU extra)."""
 
 import asyncio
@@ -22,7 +22,7 @@ pytestmark = [
 def test_gpu_actors_sync_bitwise_and_train(gpus):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
-    from tests.gpu.gpu_check import run_checks
+    from benchmarks.gpu_check import run_checks
 
     res = asyncio.run(run_checks("smollm2_135m", gpus, GSM8K_DIR))
     failed = [(n, d) for n, ok, d in res if not ok]

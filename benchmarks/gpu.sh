@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session's work, run on the device machine from the repository root after the staged
-# wheels (.gpu/pNN) were concatenated into /tmp/stage/bundle.tar. Usage: tests/gpu/h100.sh STAGE...
+# wheels (.gpu/pNN) were concatenated into /tmp/stage/bundle.tar. Usage: benchmarks/gpu.sh STAGE...
 #   install   install the bundle into /tmp/site, unpack GSM8K, rebuild + convert the SmolLM2 GGUF
-#   check     python -m tests.gpu.gpu_check (smollm2_135m, this machine's GPUs)
+#   check     python -m benchmarks.gpu_check (smollm2_135m, this machine's GPUs)
 #   bench     make bench (qwen3_1_7b shape)
 #   bench8    an 8B shape on this machine's GPUs (BENCH_MODEL=qwen3_8b|llama3_8b, BENCH_ARGS=...)
 #   smollm2   a real smollm2_135m GRPO run on the GPU (reward curve)
@@ -25,9 +25,9 @@ for stage in "$@"; do
       test -f /tmp/smollm2.gguf || cat /tmp/gg00 .carry/g1/gg01 .carry/g1/gg02 > /tmp/smollm2.gguf && ls -la /tmp/smollm2.gguf
       python3 -c "import transformers, vllm, torchtitan, monarch; print('transformers', transformers.__version__, 'vllm', vllm.__version__)"
       time python3 -c "from forge_core.models import converted_smollm2; print(converted_smollm2())" ;;
-    check) timeout ${CHECK_TIMEOUT:-600} python3 -m tests.gpu.gpu_check --gpus "$NG" ${CHECK_ARGS:-} --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log" | grep -v "^INFO\|^WARNING\|^\[" ;;
-    bench) python3 -m tests.bench.bench_gpu --gpus "$NG" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^INFO\|^(EngineCore\|^\[" | tail -40 ;;
-    bench8) M=${BENCH_MODEL:-qwen3_8b}; python3 -m tests.bench.bench_gpu --model $M --gpus "$NG" ${BENCH_ARGS:-} --out "$OUT/bench_$M.json" 2>&1 | tee "$OUT/bench_$M.log" | tail -30 ;;
+    check) timeout ${CHECK_TIMEOUT:-600} python3 -m benchmarks.gpu_check --gpus "$NG" ${CHECK_ARGS:-} --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log" | grep -v "^INFO\|^WARNING\|^\[" ;;
+    bench) python3 -m benchmarks.bench_gpu --gpus "$NG" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^INFO\|^(EngineCore\|^\[" | tail -40 ;;
+    bench8) M=${BENCH_MODEL:-qwen3_8b}; python3 -m benchmarks.bench_gpu --model $M --gpus "$NG" ${BENCH_ARGS:-} --out "$OUT/bench_$M.json" 2>&1 | tee "$OUT/bench_$M.log" | tail -30 ;;
     smollm2)
       python3 -m launch.local run smollm2_135m device=cuda generator.backend=vllm layout.gpus_per_node=1 max_staleness=0 \
         generator.gpu_memory_utilization=0.3 prompts_per_step=16 generator.group_size=8 generator.max_response_tokens=256 \

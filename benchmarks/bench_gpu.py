@@ -1,6 +1,6 @@
 """GPU benchmark (``make bench``): one table, every row naming the device it ran on.
 
-    python -m tests.bench.bench_gpu [--model qwen3_1_7b] [--gpus 1] [--steps 2] [--out bench.json]
+    python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus 1] [--steps 2] [--out bench.json]
 
 Real actors (:func:`forge_core.controller.spawn_services`), the recipe's shape with random
 weights (``model.init=random``), GSM8K prompts, 16 prompts x G=8, up to 1024 new tokens:

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m tests.bench.bench_losses              # full run (all 64 rows of the logprob reference)
-    python -m tests.bench.bench_losses --logprob-rows 8   # quicker: time 8 rows, scale to 64
+    python -m benchmarks.bench_losses              # full run (all 64 rows of the logprob reference)
+    python -m benchmarks.bench_losses --logprob-rows 8   # quicker: time 8 rows, scale to 64
 
 Each loss runs on [B, T] = [64, 2048] float32 inputs (ragged mask, [B] advantages, reference
 logprobs when the loss's default beta > 0) and is timed from the call to ``compute_loss``

@@ -1,6 +1,6 @@
 """The GPU check: real actors on this machine's GPU(s), printed as PASS/FAIL lines.
 
-    python -m tests.gpu.gpu_check [--model smollm2_135m] [--gpus 1|2|3]
+    python -m benchmarks.gpu_check [--model smollm2_135m] [--gpus 1|2|3]
 
 With one GPU the trainer, reference and vLLM generator share it (colocated, sleep/wake); with
 two or more they get their own (CUDA IPC across GPUs, bucketed). Checks: the generator and the
@@ -26,10 +26,9 @@ def overrides(model: str, gpus: int, data_dir: str) -> list:
     if gpus == 1:
         lay = ["layout.gpus_per_node=1", "max_staleness=0"]
     elif gpus == 2:
-        lay = ["layout.gpus_per_node=2", "layout.generator.gpus=1", "layout.trainer.gpus=1", "layout.reference.gpus=0"]
+        lay = ["layout.gpus_per_node=2", "layout.trainer.gpus=1", "layout.reference.gpus=0"]
     else:
-        lay = [f"layout.gpus_per_node={gpus}", "layout.generator.gpus=1", f"layout.trainer.gpus={gpus - 2}",
-               "layout.reference.gpus=1"]
+        lay = [f"layout.gpus_per_node={gpus}", f"layout.trainer.gpus={gpus - 2}", "layout.reference.gpus=1"]
     return [f"model.name={model}", "device=cuda", "generator.backend=vllm", "prompts_per_step=4",
             "generator.group_size=4", "generator.max_response_tokens=64", "generator.max_prompt_tokens=256",
             "generator.gpu_memory_utilization=0.25", "trainer.micro_batch_size=8", f"data.dir={data_dir}",
@@ -40,10 +39,10 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
     """Returns ``[(name, ok, detail)]``."""
     import torch
 
+    from forge_core.advantages import compute_advantages
     from forge_core.config import load_config
-    from forge_core.controller import call, spawn_services
     from forge_core.data import PromptSource, load_gsm8k
-    from forge_core.losses import compute_advantages
+    from forge_core.services import call, spawn_services
 
     res = []
 
@@ -59,7 +58,7 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
         h0 = await call("trainer", svc.trainer.publish)
         check("handle carries CUDA IPC", h0.ipc is not None and h0.nbytes > 0, f"{h0.nbytes / 1e9:.3f} GB {h0.dtype}")
         r0 = await call("generator", svc.generator.update_weights, h0)
-        await call("reference", svc.reference.load_initial, h0)
+        await call("reference", svc.reference.load_initial, h0, "ipc")
         info = await call("generator", svc.generator.info)
         check("engine up, version-0 weights in place", r0["version"] == 0,
               f"startup {time.perf_counter() - t0:.0f}s, sync {r0['sync_s']:.4f}s mode={r0['mode']} {info}")
@@ -75,7 +74,9 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
                   f"{st['gen_tokens']} tokens {st['gen_tok_s']:.0f} tok/s sleep {st.get('sleep_s', 0):.2f}s "
                   f"wake {st.get('wake_s', 0):.2f}s; e.g. {eps[0].text[:60]!r}")
             eps = await call("reward", svc.reward.score, eps)
-            eps, _ = await call("reference", svc.reference.logprobs, eps)
+            lists, _ = await call("reference", svc.reference.logprobs, eps)
+            for e, lp in zip(eps, lists):
+                e.ref_logprobs = lp
             if step == 0:
                 diffs = [abs(a - b) for e in eps for a, b in zip(e.behaviour_logprobs, e.ref_logprobs)]
                 check("reference logprobs agree with vLLM's (same bf16 weights)", statistics.fmean(diffs) < 0.05,

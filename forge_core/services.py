@@ -1,0 +1,291 @@
+"""Spawning and placing the actors of a run, their lifetimes and faults: one object the controller holds.
+
+Every service is a Monarch proc mesh on one node, one process per rank (one per GPU on CUDA), with
+one actor per process; the generator is one such service per replica. The plan of which node and
+GPUs each gets is :func:`forge_core.layout.plan_layout`; which class plays each role depends on the
+device (:data:`ROLES`)::
+
+    role            cpu                                 cuda
+    generator       actors.generator.Generator (HF)     actors.vllm_generator.VllmGenerator
+    trainer         actors.trainer.Trainer (TorchTitan, FSDP2 over several GPUs)
+    reference       actors.reference.Reference (TorchTitan, FSDP2 over several GPUs)
+    reward          actors.reward.RewardActor
+    replay_buffer   actors.replay_buffer.ReplayBufferActor
+
+Next to each service's actor runs a :class:`~forge_core.actors.placement.Placement` actor (where the
+process runs, a free port from the OS for ``torch.distributed``), and next to each generator replica
+a :class:`~forge_core.actors.weight_receiver.WeightReceiver` (network weight transfers while it
+generates). Actors get their own config section plus named fields, never the whole config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from forge_core.layout import Plan, Slot, plan_layout
+
+ROLES = {
+    "generator": ("forge_core.actors.generator:Generator", "forge_core.actors.vllm_generator:VllmGenerator"),
+    "trainer": ("forge_core.actors.trainer:Trainer",) * 2,
+    "reference": ("forge_core.actors.reference:Reference",) * 2,
+    "reward": ("forge_core.actors.reward:RewardActor",) * 2,
+    "replay_buffer": ("forge_core.actors.replay_buffer:ReplayBufferActor",) * 2,
+}
+
+
+class ActorFailed(RuntimeError):
+    """An actor call failed, timed out, or its process died; the message names the actor."""
+
+
+async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[float] = None) -> Any:
+    """``await endpoint.call_one(*args)``, turning any failure (and a missed ``timeout_s`` deadline,
+    in seconds) into :class:`ActorFailed` naming the actor.
+
+    Raises:
+        ActorFailed: naming the actor and, for a deadline, the seconds waited.
+    """
+    try:
+        return await asyncio.wait_for(endpoint.call_one(*args), timeout=timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except asyncio.TimeoutError:
+        raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
+    except Exception as e:
+        raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {str(e)[:2000]}") from e
+
+
+async def call_all(actor_name: str, endpoint: "_Endpoint", *args: Any, timeout_s: Optional[float] = None) -> list:
+    """Like :func:`call`, for every rank of a service: the answers in rank order."""
+    class _All:
+        def call_one(self, *a):
+            return endpoint.call_all(*a)
+
+    return await call(actor_name, _All(), *args, timeout_s=timeout_s)
+
+
+def host_mesh(hosts: Any, index: int) -> Any:
+    """The Monarch host (mesh) of node ``index``: this host when ``hosts`` is None (one node),
+    else the ``hosts`` dimension of a multi-host ``HostMesh`` sliced at ``index``."""
+    if hosts is None:
+        from monarch.actor import this_host
+
+        return this_host()
+    return hosts.slice(hosts=index)
+
+
+class _Endpoint:
+    """One endpoint of every rank of a service: ``call_one`` calls all ranks (their collectives need
+    all of them) and returns rank 0's answer; ``call_all`` returns every rank's, in rank order."""
+
+    def __init__(self, ep: Any, ranks: int):
+        self.ep, self.ranks = ep, ranks
+
+    async def call_one(self, *args: Any) -> Any:
+        if self.ranks == 1:
+            return await self.ep.call_one(*args)
+        return (await self.call_all(*args))[0]
+
+    async def call_all(self, *args: Any) -> list:
+        if self.ranks == 1:
+            return [await self.ep.call_one(*args)]
+        vm = await self.ep.call(*args)
+        return [v for _, v in sorted(((p.rank, v) for p, v in vm.items()), key=lambda x: x[0])]
+
+
+@dataclass
+class Service:
+    """A spawned service: its slot (node, GPUs), proc mesh, actor mesh and where each rank runs.
+    ``svc.trainer.publish`` is an endpoint of every rank (see :class:`_Endpoint`)."""
+
+    name: str
+    slot: Slot
+    procs: Any
+    actor: Any
+    where: list = field(default_factory=list)  # per rank: {"hostname", "ips", "pid", "free_port", "rdma"}
+    receiver: Any = None  # generator replicas: the WeightReceiver of the same process
+
+    def __getattr__(self, endpoint: str) -> _Endpoint:
+        if endpoint.startswith("_"):
+            raise AttributeError(endpoint)
+        return _Endpoint(getattr(self.actor, endpoint), self.slot.ranks)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the service's ranks."""
+        return [w["pid"] for w in self.where]
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the service's processes within ``timeout_s`` seconds; errors are ignored (an actor
+        still busy with a cancelled call misses its deadline)."""
+        try:
+            await asyncio.wait_for(self.procs.stop(), timeout=timeout_s)
+        except Exception:
+            pass
+
+
+@dataclass
+class Services:
+    """Every service of a run, and the fault-hook state (no module globals).
+
+    Attributes:
+        generators: one :class:`Service` per generator replica.
+        reward, reference, trainer, buffer: the other services.
+        plan: the placement they were spawned from.
+        faults: Monarch's reports of unhandled actor failures seen while running.
+    """
+
+    generators: list
+    reward: Service
+    reference: Service
+    trainer: Service
+    buffer: Service
+    plan: Plan
+    faults: list = field(default_factory=list)
+    stopping: bool = False
+
+    @property
+    def generator(self) -> Service:
+        """The first generator replica."""
+        return self.generators[0]
+
+    def all(self) -> list[Service]:
+        """Every service."""
+        return [*self.generators, self.reward, self.reference, self.trainer, self.buffer]
+
+    def on_fault(self, failure: Any) -> None:
+        """Monarch's ``unhandled_fault_hook``: instead of exiting the controller, record the report
+        (ignored while stopping, when a busy actor misses its cleanup deadline); the next call to
+        the failed actor raises :class:`ActorFailed` naming it."""
+        if not self.stopping:
+            self.faults.append(str(failure.report())[:2000])
+
+    def where(self) -> dict:
+        """``{service: {"hostname", "ips", "pid", ...}}`` of rank 0 of each service (for actors.json)."""
+        return {s.name: s.where[0] for s in self.all()}
+
+    def write_placement(self, path: str) -> dict:
+        """Write :meth:`where` to ``path`` (JSON) and return it."""
+        where = self.where()
+        with open(path, "w") as f:
+            json.dump(where, f, indent=1)
+        return where
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every actor process (idempotent), each within ``timeout_s`` seconds."""
+        self.stopping = True
+        for s in self.all():
+            await s.stop(timeout_s)
+
+
+def actor_class(role: str, device: str) -> type:
+    """The class playing ``role`` on ``device`` (:data:`ROLES`; imported on demand: vLLM only on GPUs)."""
+    mod, cls = ROLES[role][device == "cuda"].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def _section(cfg: DictConfig, key: str) -> dict:
+    return OmegaConf.to_container(cfg[key], resolve=True)
+
+
+def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int = 0, addr: str = "127.0.0.1",
+                 name: str = "") -> dict:
+    """The constructor arguments of ``role``'s actor: its own config section plus named fields."""
+    gpu = cfg.device == "cuda"
+    seq_len = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
+    base = {"seed": cfg.seed, "threads": cfg.threads_per_actor}
+    place = {"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {}
+    if role == "generator":
+        kw = dict(base, generator=_section(cfg, "generator"), model=_section(cfg, "model"),
+                  system_prompt=cfg.data.system_prompt, replica=name)
+        if gpu:
+            kw.update(place, colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
+                      bucket_mb=cfg.weight_sync.bucket_mb)
+        return kw
+    if role == "trainer":
+        return dict(base, **place, trainer=_section(cfg, "trainer"), model=_section(cfg, "model"),
+                    loss=_section(cfg, "loss"), device=cfg.device, publish_dtype=cfg.generator.dtype,
+                    temperature=cfg.generator.temperature, max_response_tokens=cfg.generator.max_response_tokens,
+                    seq_len=seq_len, port=port, addr=addr, weight_sync=_section(cfg, "weight_sync"))
+    if role == "reference":
+        return dict(base, **place, model=_section(cfg, "model"), device=cfg.device, dtype=cfg.generator.dtype,
+                    temperature=cfg.generator.temperature, micro_batch_size=cfg.trainer.micro_batch_size * (2 if gpu else 1),
+                    seq_len=seq_len, port=port)
+    if role == "reward":
+        return {"reward_cfg": _section(cfg, "reward")}
+    return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness}
+
+
+async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, hosts: Any = None,
+                        name: str = "") -> Service:
+    """Spawn ``role`` on ``slot`` (one process per rank) with a Placement actor beside each rank;
+    a generator replica also gets its WeightReceiver. Waits until the actor is constructed.
+
+    Raises:
+        ActorFailed: the actor's constructor failed (the message names it).
+    """
+    from forge_core.actors.placement import Placement
+
+    name = name or role
+    procs = host_mesh(hosts, slot.host).spawn_procs(per_host={"procs": slot.ranks})
+    placement = procs.spawn(f"placement_{name}", Placement)
+    where = await _Endpoint(placement.where, slot.ranks).call_all()
+    addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
+    actor = procs.spawn(name, actor_class(role, cfg.device),
+                        **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name))
+    svc = Service(name, slot, procs, actor, where)
+    if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
+        try:
+            await call(name, _Endpoint(actor.get_version, slot.ranks))
+        except BaseException:
+            await svc.stop(10)
+            raise
+    if role == "generator":
+        from forge_core.actors.weight_receiver import WeightReceiver
+
+        svc.receiver = procs.spawn(f"receiver_{name}", WeightReceiver, name, cfg.device, _section(cfg, "weight_sync"))
+    return svc
+
+
+async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
+    """Spawn every service of ``cfg`` where its layout places it (see the module docstring).
+    Colocated with the trainer, the generator starts first, so vLLM sizes its KV cache before the
+    others allocate. ``hosts``: a multi-host ``HostMesh`` (node-rank order) or None for this host.
+
+    Raises:
+        ActorFailed: an actor's constructor failed; the services already started are stopped.
+    """
+    plan = plan_layout(cfg)
+    started: list[Service] = []
+
+    async def spawn(*jobs: tuple) -> list[Service]:  # (role, slot, name) each, concurrently
+        got = await asyncio.gather(*(spawn_service(cfg, r, s, plan, hosts, n) for r, s, n in jobs),
+                                   return_exceptions=True)
+        started.extend(g for g in got if isinstance(g, Service))
+        errors = [g for g in got if isinstance(g, BaseException)]
+        if errors:
+            for s in started:
+                await s.stop(10)
+            raise errors[0]
+        return list(got)
+
+    n = len(plan.generators)
+    gens = [("generator", s, "generator" if n == 1 else f"generator_{i}") for i, s in enumerate(plan.generators)]
+    rest = [("trainer", plan.trainer, ""), ("reference", plan.reference, ""), ("reward", Slot(0), ""),
+            ("replay_buffer", Slot(0), "")]
+    if plan.colocated:  # the engine first, then the rest
+        got = await spawn(gens[0]) + await spawn(*gens[1:], *rest)
+    else:
+        got = await spawn(*gens, *rest)
+    trainer, reference, reward, buf = got[n:]
+    svc = Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan)
+    import monarch.actor
+
+    monarch.actor.unhandled_fault_hook = svc.on_fault
+    return svc

@@ -1,1 +1,0 @@
-"""Benchmarks (run as modules, not collected by pytest)."""
