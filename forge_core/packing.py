@@ -337,16 +337,29 @@ def packed_response_logprobs(model: torch.nn.Module, mb: PackedBatch, R: int, te
     out_mod = model.output
 
     def output_forward(h: torch.Tensor) -> torch.Tensor:
-        h = h.reshape(-1, h.shape[-1]).index_select(0, mb.select)
+        idx = mb.select
+        if hasattr(h, "device_mesh"):  # TP: the index as a replicated DTensor (forward and backward)
+            from torch.distributed.tensor import DTensor, Replicate
+
+            idx = DTensor.from_local(idx, h.device_mesh, [Replicate()] * h.device_mesh.ndim)
+        h = h.reshape(-1, h.shape[-1]).index_select(0, idx)
         w = out_mod.weight
         if hasattr(w, "device_mesh"):  # DTensor (TP): full logits of the selected rows
             return type(out_mod).forward(out_mod, h)
         return chunked_logprobs(h, w, mb.targets, temperature, chunk_size)
 
+    mesh = getattr(out_mod.weight, "device_mesh", None)
+    tp = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
     prev = out_mod.__dict__.get("forward")
     out_mod.forward = output_forward
     try:
-        y = model(mb.tokens, attention_masks=attention_masks, positions=mb.positions)
+        if tp:  # positions / select are plain tensors, identical on every rank: let DTensor ops take them
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            with implicit_replication():
+                y = model(mb.tokens, attention_masks=attention_masks, positions=mb.positions)
+        else:
+            y = model(mb.tokens, attention_masks=attention_masks, positions=mb.positions)
     finally:
         if prev is None:
             del out_mod.forward
