@@ -1,11 +1,7 @@
 """Sequence packing, document-causal attention and chunked logprobs for the TorchTitan trainer
-and reference model.
-
-Why: a padded ``[B, T_max]`` batch wastes the attention/MLP work of the padding, and full
-``[tokens, vocab]`` float32 logits dominate the memory of the vocabulary projection. Here each
-micro-batch is one row of ``budget`` tokens holding several episodes (first-fit decreasing), the
-attention is causal *within* each episode only, RoPE positions restart at 0 in each episode, and
-the vocabulary projection runs on the response positions alone, one chunk of rows at a time.
+and reference model: each micro-batch is one row of ``budget`` tokens holding several episodes,
+attention is causal within each episode, RoPE positions restart at 0 in each, and the vocabulary
+projection runs on response positions only, a chunk of rows at a time (no ``[T, V]`` logits).
 
 Usage (trainer or reference actor; ``episodes`` a list of :class:`forge_core.episode.Episode`)::
 
@@ -18,14 +14,15 @@ Usage (trainer or reference actor; ``episodes`` a list of :class:`forge_core.epi
         lp = packed_response_logprobs(model, mb, batch.response_mask.shape[1], temperature)
         loss, metrics = compute_loss(cfg, lp, batch.behaviour_logprobs.to(device), ...)
 
-Attention backends (:func:`enable_packed_attention`): ``"flex"`` (CUDA; TorchTitan's own
-``FlexAttentionWrapper`` with a ``BlockMask``), ``"sdpa"`` (any device; SDPA with a dense
-block-diagonal causal boolean mask, the CPU path, since FlexAttention has no CPU backward), and
-``"varlen"`` (CUDA; TorchTitan's ``VarlenAttentionWrapper``, not verified here).
+Attention backends (:func:`enable_packed_attention`): ``"flex"`` (CUDA: TorchTitan's own
+``FlexAttentionWrapper`` and a ``BlockMask``), ``"sdpa"`` (any device: SDPA with a dense
+block-diagonal causal mask; the CPU path, as CPU FlexAttention has no backward) and ``"varlen"``
+(CUDA: TorchTitan's ``VarlenAttentionWrapper``; not verified here).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -36,19 +33,14 @@ TOKENS_FIELD = "trainer.tokens_per_micro_batch"
 
 
 def pack_episodes(lengths: list[int], budget: int) -> list[list[int]]:
-    """Group episode indices into micro-batches of at most ``budget`` tokens, first-fit decreasing
-    (longest first, ties by index; each goes to the first micro-batch with room). Deterministic.
-
-    Args:
-        lengths: tokens of each episode (prompt + response).
-        budget: tokens per micro-batch (``trainer.tokens_per_micro_batch``).
-
-    Returns:
-        Micro-batches in creation order, each a sorted list of indices; every index appears once.
+    """Group episode indices (``lengths``: prompt + response tokens of each) into micro-batches of
+    at most ``budget`` tokens by first-fit decreasing (longest first, ties by index, each into the
+    first micro-batch with room). Deterministic; returns micro-batches in creation order, each a
+    sorted index list, every index exactly once.
 
     Raises:
-        ValueError: ``budget < 1``, a negative length, or an episode longer than ``budget``
-            (the message names ``trainer.tokens_per_micro_batch``, the budget and the length).
+        ValueError: ``budget < 1``, or an episode longer than ``budget`` (or negative); the message
+            names ``trainer.tokens_per_micro_batch``, the budget and the episode's length.
     """
     if budget < 1:
         raise ValueError(f"{TOKENS_FIELD}={budget} must be >= 1")
@@ -141,10 +133,10 @@ def pack_batch(episodes: list, budget: int, pad_id: int = 0) -> PackedBatch:
 
 
 class DocumentCausalSDPA(torch.nn.Module):
-    """Inner attention for TorchTitan's ``attn_type="varlen"`` branch that computes SDPA with a
-    dense block-diagonal causal boolean mask built from the varlen metadata's ``cu_seq_q``
-    (numerically what ``varlen_attn`` computes; memory ``O(T^2)`` booleans per layer).
-    Inputs q ``[b, H, T, hd]``, k/v ``[b, H_kv, T, hd]``; returns ``[b, T, H, hd]``."""
+    """Inner attention for TorchTitan's ``attn_type="varlen"`` branch: SDPA with a dense
+    block-diagonal causal boolean mask from the metadata's ``cu_seq_q`` (what ``varlen_attn``
+    computes, with ``T^2`` mask booleans per layer). q ``[b, H, T, hd]``, k/v ``[b, H_kv, T, hd]``
+    -> ``[b, T, H, hd]``. Plain tensors only (Qwen3 under TP hands it DTensors: unsupported)."""
 
     def forward(self, q, k, v, meta, scale: Optional[float] = None) -> torch.Tensor:
         b, _, T, _ = q.shape
@@ -163,17 +155,16 @@ def _attention_modules(model: torch.nn.Module) -> list:
 
 
 def enable_packed_attention(model: torch.nn.Module, backend: Optional[str] = None) -> str:
-    """Switch every attention layer of a TorchTitan 0.2.2 model (``Qwen3Model`` or Llama3
-    ``Transformer``) to document-causal attention, in place; returns the backend.
+    """Switch every attention layer of a TorchTitan 0.2.2 model (``Qwen3Model``, Llama3
+    ``Transformer``) to document-causal attention in place; returns the backend used.
 
-    Sets each ``Attention.attn_type`` and swaps its parameter-free ``inner_attention``:
-    ``"flex"`` -> ``FlexAttentionWrapper``, ``"varlen"`` -> ``VarlenAttentionWrapper``,
-    ``"sdpa"`` -> :class:`DocumentCausalSDPA` under the ``"varlen"`` branch. ``backend=None``
-    means ``"flex"`` on CUDA (a parameter's device, or CUDA availability on the meta device),
-    else ``"sdpa"``. Parameters and ``model_args`` are untouched, so FSDP2, activation
-    checkpointing and per-block ``torch.compile`` wrappers keep working. Call it before the first
-    forward (best: right after building, before ``parallelize``); a later switch makes compiled
-    blocks recompile.
+    Sets each ``Attention.attn_type`` and swaps its parameter-free ``inner_attention``: ``"flex"``
+    -> ``FlexAttentionWrapper``; ``"varlen"`` -> ``VarlenAttentionWrapper``; ``"sdpa"`` ->
+    :class:`DocumentCausalSDPA` under the varlen branch. ``None``: ``"flex"`` on CUDA (a
+    parameter's device; CUDA availability on the meta device), else ``"sdpa"``. Parameters and
+    ``model_args`` are untouched, and the attention modules are found through FSDP2 /
+    checkpoint / compile wrappers. Call it before the first forward, best before ``parallelize``
+    (compiled blocks would otherwise recompile once).
 
     Raises:
         ValueError: an unknown backend, or no TorchTitan attention module in ``model``.
@@ -200,10 +191,10 @@ def enable_packed_attention(model: torch.nn.Module, backend: Optional[str] = Non
 
 
 def packed_attention_mask(model: torch.nn.Module, mb: PackedBatch):
-    """The ``attention_masks`` argument of the model for micro-batch ``mb`` (on ``mb``'s device):
-    a FlexAttention ``BlockMask`` (``q >= kv and doc[q] == doc[kv]``, B=1, every head) for
-    ``"flex"``, else TorchTitan's ``VarlenMetadata`` (``cu_seqlens``, longest document). The
-    padding tail is its own document, so no query row is fully masked.
+    """The model's ``attention_masks`` argument for ``mb``, on ``mb``'s device: for ``"flex"`` a
+    ``BlockMask`` (``q >= kv and doc[q] == doc[kv]``, B=1, all heads; TorchTitan's compiled
+    ``create_block_mask`` on CUDA), else TorchTitan's ``VarlenMetadata`` (``cu_seqlens``, longest
+    segment). The padding is its own document, so no query row is fully masked.
 
     Raises:
         ValueError: the model was not prepared by :func:`enable_packed_attention`.
@@ -270,27 +261,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     temperature: float = 1.0, chunk_size: int = 4096) -> torch.Tensor:
-    """Logprob of each target token under ``softmax(hidden @ weight.T / temperature)``, without
-    ever holding more than one ``[chunk_size, V]`` block of logits (forward and backward).
+                     temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """``[N]`` float32 logprob of each target under ``softmax(hidden @ weight.T / temperature)``,
+    holding at most one ``[chunk_size, V]`` block of logits at a time, in forward and backward.
 
-    ``lp_n = z_n[y_n] - logsumexp(z_n)`` with ``z_n = hidden_n @ weight.T / temperature`` in
-    float32 (``torch.logsumexp`` subtracts the row max: the logsumexp trick); the backward
-    recomputes each chunk's logits and uses ``d lp / d z = onehot(y) - softmax(z)``. Prior art:
-    Liger-Kernel's fused linear cross-entropy chunks the same way (independent code). The matmuls
-    run in the autocast dtype when autocast is on (else the inputs' common dtype); the softmax math
-    is float32. ``weight`` may be tied to the embedding (autograd sums both gradients). Its
-    gradient is accumulated chunk by chunk in the compute dtype (one rounding per chunk in bf16).
-
-    Args:
-        hidden: ``[N, D]`` final hidden states (after the last norm).
-        weight: ``[V, D]`` output projection.
-        targets: ``[N]`` int64 token ids in ``[0, V)``.
-        temperature: sampling temperature (> 0), as in the generator.
-        chunk_size: rows per chunk (>= 1); memory ~ ``3 * chunk_size * V * 4`` bytes.
-
-    Returns:
-        ``[N]`` float32 logprobs (differentiable w.r.t. ``hidden`` and ``weight``).
+    ``lp_n = z_n[y_n] - logsumexp(z_n)``, ``z_n = hidden_n @ weight.T / temperature`` in float32
+    (``torch.logsumexp`` subtracts the row max: the logsumexp trick). The backward recomputes each
+    chunk's logits and uses ``d lp / d z = onehot(y) - softmax(z)``; prior art: Liger-Kernel's
+    fused linear cross-entropy (own code here). Matmuls run in the autocast dtype when autocast is
+    on, else in the inputs' common dtype; softmax math is float32. ``weight`` may be tied to the
+    embedding. Its gradient accumulates over chunks in the compute dtype (bf16: one rounding per
+    chunk, as Liger). Shapes: hidden ``[N, D]`` (after the final norm), weight ``[V, D]``, targets
+    ``[N]`` int64 in ``[0, V)``; ``temperature`` as the generator's; peak extra memory about
+    ``3 * chunk_size * V * 4`` bytes. Differentiable w.r.t. ``hidden`` and ``weight``.
 
     Raises:
         ValueError: bad shapes, ``temperature <= 0`` or ``chunk_size < 1``.
@@ -304,24 +287,17 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 def packed_response_logprobs(model: torch.nn.Module, mb: PackedBatch, R: int, temperature: float = 1.0,
-                             chunk_size: int = 4096, attention_masks=None) -> torch.Tensor:
-    """``[B, R]`` float32 logprobs of each packed episode's response tokens (row ``i`` = episode
-    ``i`` of the micro-batch, columns ``0..R_i-1``, zeros elsewhere: ``collate``'s layout, so
-    :func:`forge_core.losses.compute_loss` takes it unchanged). Differentiable.
+                             chunk_size: int = 1024, attention_masks=None) -> torch.Tensor:
+    """``[B, R]`` float32 logprobs of the response tokens of ``mb``'s episodes (row ``i`` =
+    episode ``i``, columns ``0..R_i-1``, zeros elsewhere: ``collate``'s layout, so
+    :func:`forge_core.losses.compute_loss` takes it unchanged); differentiable.
 
-    Runs ``model(mb.tokens, attention_masks, mb.positions)`` with ``model.output.forward``
-    replaced for the duration of the call (an instance attribute, so FSDP2's hooks on the module
-    still run and its weight is unsharded inside): the output layer picks the ``N`` response
-    positions and returns :func:`chunked_logprobs`, so no prompt position is projected and no
-    ``[T, V]`` logits exist. With a DTensor weight inside the forward (tensor parallelism) it
-    falls back to full logits of the response positions (``[N, V]``, as ``titan.response_logprobs``).
-
-    Args:
-        model: a TorchTitan model prepared by :func:`enable_packed_attention`.
-        mb: the micro-batch, on the model's device.
-        R: response columns of the output (>= the longest response).
-        temperature, chunk_size: as :func:`chunked_logprobs`.
-        attention_masks: a prebuilt :func:`packed_attention_mask` (built here when None).
+    Runs ``model(mb.tokens, attention_masks, mb.positions)`` (``model`` prepared by
+    :func:`enable_packed_attention`, ``mb`` on its device) with ``model.output.forward`` replaced
+    by an instance attribute during the call, so FSDP2's hooks still run and unshard the weight:
+    the output layer takes the ``N`` response positions and returns :func:`chunked_logprobs`. A
+    DTensor weight inside that forward (tensor parallelism) falls back to ``[N, V]`` logits, as
+    ``titan.response_logprobs``. ``attention_masks``: a prebuilt :func:`packed_attention_mask`.
 
     Raises:
         ValueError: ``R`` too small, a document longer than ``model_args.max_seq_len`` (RoPE
@@ -349,22 +325,18 @@ def packed_response_logprobs(model: torch.nn.Module, mb: PackedBatch, R: int, te
         return chunked_logprobs(h, w, mb.targets, temperature, chunk_size)
 
     mesh = getattr(out_mod.weight, "device_mesh", None)
-    tp = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
-    prev = out_mod.__dict__.get("forward")
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # TorchTitan's TP mesh dim
+        from torch.distributed.tensor.experimental import implicit_replication as context  # plain positions
+    else:
+        context = contextlib.nullcontext
+    if "forward" in out_mod.__dict__:
+        raise RuntimeError("model.output.forward is already replaced (nested packed_response_logprobs?)")
     out_mod.forward = output_forward
     try:
-        if tp:  # positions / select are plain tensors, identical on every rank: let DTensor ops take them
-            from torch.distributed.tensor.experimental import implicit_replication
-
-            with implicit_replication():
-                y = model(mb.tokens, attention_masks=attention_masks, positions=mb.positions)
-        else:
+        with context():
             y = model(mb.tokens, attention_masks=attention_masks, positions=mb.positions)
     finally:
-        if prev is None:
-            del out_mod.forward
-        else:
-            out_mod.forward = prev
+        del out_mod.forward
     if y.dim() == 2:  # tensor-parallel fallback
         if hasattr(y, "full_tensor"):
             y = y.full_tensor()
