@@ -6,13 +6,14 @@ projection runs on response positions only, a chunk of rows at a time (no ``[T, 
 Usage (trainer or reference actor; ``episodes`` a list of :class:`forge_core.episode.Episode`)::
 
     model = titan.build_model(spec, device, parallelize=fn)
-    enable_packed_attention(model)                      # once, before the first forward
+    enable_packed_attention(model)              # once, before the first forward
+    batch = collate(episodes, pad_id)           # the step's [B, R] logprobs, mask; [B] advantages
+    R = batch.response_mask.shape[1]
     for idx in pack_episodes([len(e.prompt_ids) + len(e.response_ids) for e in episodes], budget):
-        eps = [episodes[i] for i in idx]
-        mb = pack_batch(eps, budget, pad_id).to(device)
-        batch = collate(eps, pad_id)                    # behaviour/ref logprobs, advantages, mask
-        lp = packed_response_logprobs(model, mb, batch.response_mask.shape[1], temperature)
-        loss, metrics = compute_loss(cfg, lp, batch.behaviour_logprobs.to(device), ...)
+        mb = pack_batch([episodes[i] for i in idx], budget, pad_id).to(device)
+        lp = packed_response_logprobs(model, mb, R, temperature)            # [len(idx), R]
+        loss, metrics = compute_loss(cfg, lp, batch.behaviour_logprobs[idx].to(device), ...)
+        (loss * share).backward()  # share: this micro-batch's weight in the step's aggregate
 
 Attention backends (:func:`enable_packed_attention`): ``"flex"`` (CUDA: TorchTitan's own
 ``FlexAttentionWrapper`` and a ``BlockMask``), ``"sdpa"`` (any device: SDPA with a dense
@@ -245,19 +246,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, targets, lse = ctx.saved_tensors
         dt, t, C = ctx.dt, ctx.temperature, ctx.chunk_size
-        gh = torch.empty_like(hidden)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        gh = torch.empty_like(hidden) if need_h else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dt)
-            gw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
+            gw = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
             for s in range(0, hidden.shape[0], C):
                 h = hidden[s:s + C].to(dt)
                 g = grad[s:s + C].float()[:, None] / t
                 # d lp / d logits = (onehot(target) - softmax(logits / T)) / T, scaled by the upstream grad
                 dz = (h @ w.T).float().div_(t).sub_(lse[s:s + C, None]).exp_().mul_(-g)
                 dz = dz.scatter_add_(1, targets[s:s + C, None], g).to(dt)
-                gh[s:s + C] = dz @ w
-                gw.addmm_(dz.T, h)  # fp32 accumulate inside each GEMM, one rounding to dt per chunk
-        return gh, gw.to(weight.dtype), None, None, None
+                if need_h:
+                    gh[s:s + C] = dz @ w
+                if need_w:
+                    gw.addmm_(dz.T, h)  # fp32 accumulate inside each GEMM, one rounding to dt per chunk
+        return gh, gw.to(weight.dtype) if need_w else None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -317,3 +317,36 @@ def test_gpu_chunked_logprobs_bf16_memory_at_qwen3_1_7b_vocab():
     cos = torch.nn.functional.cosine_similarity
     assert cos(h.grad.float().flatten(), hf.grad.flatten(), dim=0) > 0.999
     assert cos(w.grad.float().flatten(), wf.grad.flatten(), dim=0) > 0.999
+
+
+def test_chunked_logprobs_grad_of_one_input_only():
+    h, w, y = torch.randn(9, 4), torch.randn(11, 4), torch.randint(11, (9,))
+    full = lambda h, w: torch.log_softmax(h @ w.T, -1).gather(1, y[:, None]).squeeze(1).sum()
+    for hr, wr in ((True, False), (False, True)):
+        a, b = h.clone().requires_grad_(hr), w.clone().requires_grad_(wr)
+        (g,) = torch.autograd.grad(chunked_logprobs(a, b, y, 1.0, 4).sum(), [a if hr else b])
+        (r,) = torch.autograd.grad(full(a, b), [a if hr else b])
+        torch.testing.assert_close(g, r)
+
+
+def test_micro_batch_losses_weighted_by_share_give_the_full_batch_gradient():
+    """GRPO (``seq_mean``): each micro-batch's loss times its share of the step's sequences sums
+    to the padded full-batch loss, and so do the gradients (the trainer's accumulation rule)."""
+    spec, ref, packed = _models("qwen3")
+    eps = _episodes(spec.args.vocab_size, SHAPES + [(30, 2), (2, 30)], seed=5)
+    batch = collate(eps, 0)
+    R, cfg = batch.response_mask.shape[1], make_loss_config("grpo")
+    want = titan.response_logprobs(ref, eps, R, 1.0, CPU)
+    old = (want.detach() + 0.1 * torch.randn_like(want)) * batch.response_mask
+    full, _ = compute_loss(cfg, want, old, batch.advantages, batch.response_mask, old)
+    full.backward()
+    total = 0.0
+    for idx in pack_episodes([len(e.prompt_ids) + len(e.response_ids) for e in eps], 48):
+        lp = packed_response_logprobs(packed, pack_batch([eps[i] for i in idx], 48), R)
+        loss, _ = compute_loss(cfg, lp, old[idx], batch.advantages[idx], batch.response_mask[idx], old[idx])
+        share = len(idx) / len(eps)  # seq_mean: sequences (all have responses); token_mean: tokens
+        (loss * share).backward()
+        total += loss.item() * share
+    assert abs(total - full.item()) < 1e-5
+    for (n, a), (_, b) in zip(ref.named_parameters(), packed.named_parameters()):
+        assert (a.grad - b.grad).abs().max() < 1e-5 * max(1.0, a.grad.abs().max().item()), n
