@@ -72,12 +72,20 @@ class TrainerConfig:
         betas: AdamW betas.
         weight_decay: AdamW decoupled weight decay.
         max_grad_norm: clip threshold of the global gradient L2 norm.
-        micro_batch_size: sequences per forward/backward (gradient accumulation beyond it).
+        micro_batch_size: sequences per forward/backward when not packing (gradient accumulation
+            beyond it); the reference's forward takes twice as many on GPUs.
+        tokens_per_micro_batch: sequence packing: episodes (prompt + response) are packed into
+            micro-batches of this many tokens, with document-causal attention (0: no packing, pad
+            ``micro_batch_size`` sequences to the longest). A multiple of 128 suits FlexAttention.
+        logprob_chunk: response positions per block of the chunked logprobs (no ``[tokens, vocab]``
+            logits are ever held whole).
         compute_dtype: ``"bfloat16"`` autocast over fp32 master weights, or ``"float32"``.
-        activation_checkpointing: recompute each block in the backward (GPU path, TorchTitan's
-            full AC): activations of one block input per layer instead of all.
+        activation_checkpointing: recompute each block in the backward (TorchTitan's full AC):
+            ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate
+            without it exceeds 85% of the GPU (never on CPU).
         tp: tensor-parallel degree of the GPU trainer (TorchTitan TP; FSDP2 over the rest).
-        compile: ``torch.compile`` each block (GPU path).
+        compile: ``torch.compile`` each block (TorchTitan's per-block compile), in the trainer and
+            the reference; the compile time is reported at start-up.
     """
 
     lr: float = 1e-5
@@ -85,8 +93,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
+    tokens_per_micro_batch: int = 0
+    logprob_chunk: int = 1024
     compute_dtype: str = "bfloat16"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Optional[bool] = None
     tp: int = 1
     compile: bool = False
 
@@ -149,6 +159,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Surviving faults inside a run (:mod:`forge_core.controller`).
+
+    Attributes:
+        max_restarts: respawns allowed per service (a generator replica, reward, reference) within
+            ``restart_window_s`` seconds; one more failure stops the run naming the actor.
+        restart_window_s: the window of ``max_restarts`` (seconds).
+        call_timeout_s: deadline of every actor call (seconds), plus the per-token budget below; a
+            missed deadline counts as the actor's death (killed and respawned).
+        timeout_per_token_s: added to a call's deadline per token of its work (generation:
+            prompts x group size x max response tokens; reference and trainer: the batch's tokens).
+        max_bad_steps: consecutive optimizer steps skipped for a non-finite loss or gradient norm
+            before the run stops.
+    """
+
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+    call_timeout_s: float = 600.0
+    timeout_per_token_s: float = 0.05
+    max_bad_steps: int = 3
+
+
+@dataclass
 class WandbConfig:
     """wandb logging; ``mode`` follows ``$WANDB_MODE`` and defaults to ``disabled``."""
 
@@ -182,6 +215,7 @@ class Config:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     device: str = "cpu"
@@ -226,10 +260,15 @@ def _check(cfg: DictConfig, where: str) -> None:
             raise ConfigError(f"{where}: {key}={v!r} must be one of {allowed}")
     positive = ("steps", "prompts_per_step", "generator.group_size", "generator.max_response_tokens",
                 "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions", "generator.max_num_seqs",
-                "weight_sync.bucket_mb", "weight_sync.timeout_s")
+                "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
+                "trainer.logprob_chunk")
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{where}: {key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
+    if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
+        raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
+                          f"than the longest episode (generator.max_prompt_tokens + max_response_tokens = {seq})")
     if cfg.max_staleness < 0:
         raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":

@@ -20,7 +20,17 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
 S = ``max_staleness``. With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops
 alternate (fully on-policy). A checkpoint is taken at a quiet point (no rollout in flight, sync
 done), so a resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
-placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`.
+placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
+checkpoint files :mod:`forge_core.checkpoint`.
+
+Faults inside a run (``fault.*``): every actor call has a deadline from the work it carries; a
+generator replica, the reward or the reference that dies or misses its deadline is killed, respawned
+on the same node and GPUs, brought back (current weights; the reference's version 0, checked by
+digest) and the call is repeated, so no batch is lost or trained twice (``faults.jsonl`` records
+each). A service that fails more than ``fault.max_restarts`` times in ``fault.restart_window_s``,
+the trainer or the replay buffer ends the run (SLURM/SkyPilot resume it from the last checkpoint).
+A non-finite loss or gradient norm skips the optimizer step and the batch; ``fault.max_bad_steps``
+in a row end the run.
 """
 
 from __future__ import annotations
@@ -38,11 +48,12 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from forge_core import checkpoint
 from forge_core.advantages import compute_advantages
 from forge_core.data import PromptSource, load_gsm8k
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, plot_rewards
-from forge_core.services import ActorFailed, Services, call, call_all, spawn_services
+from forge_core.services import ActorFailed, RunFailed, Service, Services, call, call_all, spawn_services
 from forge_core.weight_sync import choose_transport
 
 
@@ -165,6 +176,13 @@ class Controller:
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
         self.svc: Optional[Services] = None
+        self.sync_lock = asyncio.Lock()  # publish + loads of one version; respawns that reload weights
+        self.generation = 0  # of the nccl weight-transfer group; a new one after a member is respawned
+        self.restart_times: dict[str, list] = {}
+        self.restarts = {"generator": 0, "reward": 0, "reference": 0}
+        self.skipped_batches = 0
+        self.checkpoint_failures = 0
+        self.ref_digest = ""
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
@@ -172,34 +190,45 @@ class Controller:
         return os.path.join(self.out_dir, "checkpoints")
 
     def latest_checkpoint(self) -> Optional[str]:
-        """Path of the newest complete checkpoint, or ``None``."""
-        if not os.path.isdir(self.ckpt_root):
-            return None
-        done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and not d.endswith(".tmp")
-                      and os.path.isfile(os.path.join(self.ckpt_root, d, "controller.json")))
-        return os.path.join(self.ckpt_root, done[-1]) if done else None
+        """The newest checkpoint that verifies against its manifest (see :func:`checkpoint.resume_point`)."""
+        return checkpoint.resume_point(self.ckpt_root)
 
-    async def save_checkpoint(self) -> str:
-        """Write ``checkpoints/step_NNNNNN`` atomically (temp dir, then rename); keep the newest N."""
+    async def save_checkpoint(self) -> Optional[str]:
+        """Write ``checkpoints/step_NNNNNN`` atomically (temp dir, manifest last, rename) and keep the
+        newest ``checkpoint.keep``. A full disk leaves the previous checkpoint as it was, says so
+        and returns None; other errors raise."""
         s = self.svc
         final = os.path.join(self.ckpt_root, f"step_{self.step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        await call("trainer", s.trainer.save, tmp, True)
-        held = await call("replay_buffer", s.buffer.state)
-        torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
-        with open(os.path.join(tmp, "controller.json"), "w") as f:
-            json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
-                       "generator_version": min(self.versions)}, f)
+        try:
+            await call("trainer", s.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
+            held = await call("replay_buffer", s.buffer.state)
+            torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
+            with open(os.path.join(tmp, "controller.json"), "w") as f:
+                json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
+                           "generator_version": min(self.versions)}, f)
+            checkpoint.write_manifest(tmp, self.step)
+        except (ActorFailed, OSError, RuntimeError) as e:
+            if not checkpoint.disk_full(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.checkpoint_failures += 1
+            prev = checkpoint.complete(self.ckpt_root)
+            checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({str(e)[:200]}); "
+                            f"{'the previous checkpoint ' + prev[-1] + ' is intact' if prev else 'no earlier checkpoint'}")
+            return None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        kept = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for d in kept[:-max(self.cfg.checkpoint.keep, 1)]:
-            shutil.rmtree(os.path.join(self.ckpt_root, d), ignore_errors=True)
+        checkpoint.rotate(self.ckpt_root, self.cfg.checkpoint.keep)
         return final
 
     async def restore(self, path: str) -> None:
-        """Resume from a checkpoint written by :meth:`save_checkpoint`."""
+        """Resume from a checkpoint written by :meth:`save_checkpoint`.
+
+        Raises:
+            RuntimeError: the trainer's version and the checkpoint's step disagree.
+        """
         s = self.svc
         version = await call("trainer", s.trainer.load, path)
         with open(os.path.join(path, "controller.json")) as f:
@@ -211,6 +240,70 @@ class Controller:
         self.buffered = len(held)
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
+
+    # ---- faults ------------------------------------------------------------------------------
+    def _deadline(self, tokens: float) -> float:
+        """Seconds a call carrying ``tokens`` tokens of work may take (``fault.*``)."""
+        return self.cfg.fault.call_timeout_s + self.cfg.fault.timeout_per_token_s * tokens
+
+    def _count_restart(self, name: str, error: BaseException) -> None:
+        f = self.cfg.fault
+        now = time.monotonic()
+        recent = [t for t in self.restart_times.get(name, []) if now - t < f.restart_window_s]
+        if len(recent) >= f.max_restarts:
+            raise ActorFailed(f"actor '{name}' failed {len(recent) + 1} times within {f.restart_window_s:g} s "
+                              f"(fault.max_restarts={f.max_restarts}); last error: {str(error)[:1500]}") from error
+        self.restart_times[name] = recent + [now]
+
+    def _record_fault(self, name: str, error: BaseException, t0: float) -> None:
+        role = "generator" if name.startswith("generator") else name
+        self.restarts[role] += 1
+        self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
+        rec = {"service": name, "step": self.step, "error": str(error)[:500], "recover_s": time.perf_counter() - t0,
+               "restarts": self.restarts[role], "time": time.time()}
+        with open(os.path.join(self.out_dir, "faults.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        checkpoint.warn(f"{name} failed ({str(error)[:300]}); respawned and back in {rec['recover_s']:.1f} s")
+
+    def _current(self, name: str) -> Service:
+        return next(s for s in self.svc.all() if s.name == name)
+
+    async def _revive(self, failed: Service, error: BaseException) -> None:
+        """Respawn the reward, the reference or generator replica ``failed`` and restore its state
+        (see the module docstring); nothing when it was already replaced since. Raises ActorFailed
+        when its restarts are used up."""
+        name = failed.name
+        if name.startswith("generator"):
+            async with self.sync_lock:
+                if self._current(name) is not failed:
+                    return  # the weight sync already respawned it
+                self._count_restart(name, error)
+                t0 = time.perf_counter()
+                await self.svc.respawn(name)
+                self.generation += 1
+                await self._sync_locked()
+        else:
+            self._count_restart(name, error)
+            t0 = time.perf_counter()
+            await self.svc.respawn(name)
+            if name == "reference":
+                digest = await call(name, self.svc.reference.rebuild_initial, timeout_s=self.cfg.fault.call_timeout_s)
+                if digest != self.ref_digest:
+                    raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from version "
+                                      f"0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random init "
+                                      f"cannot be rebuilt; resume the run from its last checkpoint")
+        self._record_fault(name, error, t0)
+
+    async def _supervised(self, name: str, endpoint: str, *args: Any, tokens: float = 0, all_ranks: bool = False) -> Any:
+        """Call ``endpoint`` of the reward or the reference with a deadline; on a death or a missed
+        deadline, respawn it (:meth:`_revive`) and call again."""
+        while True:
+            svc: Service = getattr(self.svc, name)
+            try:
+                fn = call_all if all_ranks else call
+                return await fn(name, getattr(svc, endpoint), *args, timeout_s=self._deadline(tokens))
+            except ActorFailed as e:
+                await self._revive(svc, e)
 
     # ---- rollouts ----------------------------------------------------------------------------
     def _eligible(self, k: int) -> list[int]:
@@ -229,14 +322,21 @@ class Controller:
 
     async def _generate(self, problems: list, k: int, replicas: list[int]) -> tuple[list[Episode], dict]:
         """Generate batch ``k`` over ``replicas`` (whole groups each); episodes in problem order."""
-        cfg, gens = self.cfg, self.svc.generators
+        cfg = self.cfg
         plan = self.dispatcher.assign(len(problems), replicas)
         t0 = time.perf_counter()
 
         async def one(r: int, groups: list[int]) -> tuple[int, list[int], list[Episode], dict]:
             ta = time.perf_counter()
-            eps, st = await call(gens[r].name, gens[r].generate, [problems[g] for g in groups],
-                                 cfg.seed * 100_003 + k * 1_009 + r)
+            tokens = len(groups) * cfg.generator.group_size * cfg.generator.max_response_tokens
+            while True:
+                g = self.svc.generators[r]
+                try:
+                    eps, st = await call(g.name, g.generate, [problems[i] for i in groups],
+                                         cfg.seed * 100_003 + k * 1_009 + r, timeout_s=self._deadline(tokens))
+                    break
+                except ActorFailed as e:  # respawned with the current weights, then the same request again
+                    await self._revive(g, e)
             self.dispatcher.done(r, len(groups), time.perf_counter() - ta)
             return r, groups, eps, st
 
@@ -266,16 +366,20 @@ class Controller:
             try:
                 episodes, gen = await self._generate(problems, k, replicas)
                 t0 = time.perf_counter()
-                episodes = await call("reward", s.reward.score, episodes)
+                episodes = await self._supervised("reward", "score", episodes)
                 reward_s = time.perf_counter() - t0
                 ref_s = 0.0
-                for lists, secs in await call_all("reference", s.reference.logprobs, episodes):
+                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+                for lists, secs in await self._supervised("reference", "logprobs", episodes, tokens=tokens,
+                                                          all_ranks=True):
                     ref_s = max(ref_s, secs)
                     for e, lp in zip(episodes, lists):
                         if lp is not None:
                             e.ref_logprobs = lp
                 rewards = torch.tensor([e.reward for e in episodes]).view(-1, cfg.generator.group_size)
-                adv, keep, adv_m = compute_advantages(rewards, cfg.advantage)
+                finite = torch.isfinite(rewards).all(1, keepdim=True)
+                adv, keep, adv_m = compute_advantages(rewards.where(finite, 0.0), cfg.advantage)
+                adv = adv.where(finite, float("nan"))  # a non-finite reward poisons its group: the step is skipped
                 for e, a in zip(episodes, adv.flatten().tolist()):
                     e.advantage = a
                 if cfg.advantage.drop_zero_variance:
@@ -295,35 +399,62 @@ class Controller:
         """Publish the trainer's weights (starting the nccl broadcast when a route needs it)."""
         rdma = any(t == "rdma" for t, _ in self.routes)
         world = 1 + sum(t == "nccl" for t, _ in self.routes)
-        return await call("trainer", self.svc.trainer.publish, rdma, world if world > 1 else 0, 0)
+        return await call("trainer", self.svc.trainer.publish, rdma, world if world > 1 else 0, self.generation,
+                          timeout_s=self.cfg.fault.call_timeout_s)
 
-    async def _sync(self, handle: Any) -> None:
-        """Bring every replica to ``handle.version``: network receivers fetch (while generating),
-        then each replica loads between two generate calls (see :func:`sync_routes`)."""
+    async def publish_and_sync(self) -> None:
+        """Publish the trainer's current weights and bring every replica to them (under the sync lock)."""
+        async with self.sync_lock:
+            await self._sync_locked()
+
+    async def _sync_locked(self) -> None:
+        """Publish, then network receivers fetch (while generating), then every replica loads between
+        two generate calls (routes: :func:`sync_routes`). A replica that dies or hangs meanwhile is
+        respawned and the whole version published and loaded again (a new nccl group)."""
         gens = self.svc.generators
+        handle = await self._publish()
         t0 = time.perf_counter()
-        fetched = await asyncio.gather(*(call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle, t, rank)
-                                         for i, (t, rank) in enumerate(self.routes) if t in ("nccl", "rdma")))
-        transfer_s = max((f["transfer_s"] for f in fetched), default=0.0)
-        staged = {}
-        for i, (t, _) in enumerate(self.routes):
-            if t == "follow" and self.routes[i][1] not in staged:
-                j = self.routes[i][1]
+        timeout = self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s
+
+        async def guard(i: int, what: Any) -> Any:
+            try:
+                return await what
+            except ActorFailed as e:
+                return (i, e)
+
+        fetch = [i for i, (t, _) in enumerate(self.routes) if t in ("nccl", "rdma")]
+        got = await asyncio.gather(*(guard(i, call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle,
+                                                   *self.routes[i], timeout_s=timeout)) for i in fetch))
+        failed = [g for g in got if isinstance(g, tuple)]
+        loaded: list = []
+        if not failed:
+            staged = {}
+            for j in sorted({r for t, r in self.routes if t == "follow"}):
                 staged[j] = await call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version)
 
-        async def load(i: int) -> dict:
-            t, j = self.routes[i]
-            args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
-            r = await call(gens[i].name, gens[i].update_weights, *args)
-            async with self.changed:
-                self.versions[i] = r["version"]
-                self.changed.notify_all()
-            return r
+            async def load(i: int) -> dict:
+                t, j = self.routes[i]
+                args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
+                r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=timeout)
+                async with self.changed:
+                    self.versions[i] = r["version"]
+                    self.changed.notify_all()
+                return r
 
-        loaded = await asyncio.gather(*(load(i) for i in range(len(gens))))
+            loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+            failed = [g for g in loaded if isinstance(g, tuple)]
+        if failed:
+            for i, e in failed:
+                self._count_restart(gens[i].name, e)
+                ta = time.perf_counter()
+                await self.svc.respawn(gens[i].name)
+                self._record_fault(gens[i].name, e, ta)
+            self.generation += 1
+            return await self._sync_locked()
+        transfer_s = max((f["transfer_s"] for f in got), default=0.0)
         exposed = max(r["sync_s"] for r in loaded)
-        total = time.perf_counter() - t0
-        self.last_sync = {"weight_sync_s": total, "weight_transfer_s": transfer_s, "weight_sync_exposed_s": exposed,
+        self.last_sync = {"weight_sync_s": time.perf_counter() - t0, "weight_transfer_s": transfer_s,
+                          "weight_sync_exposed_s": exposed,
                           "weight_sync_gb_s": handle.nbytes / max(transfer_s or exposed, 1e-9) / 1e9,
                           "weight_sync_mode": loaded[0].get("mode", "")}
 
@@ -380,9 +511,10 @@ class Controller:
         h0 = await call("trainer", s.trainer.publish, s.reference.slot.host != s.trainer.slot.host, 0, 0)
         ref_transport = "ipc" if s.reference.slot.host == s.trainer.slot.host else "rdma"
         await call("reference", s.reference.load_initial, h0, ref_transport)
+        self.ref_digest = await call("reference", s.reference.digest)
         if ckpt:
             await self.restore(ckpt)
-        await self._sync(await self._publish())
+        await self.publish_and_sync()
         return time.perf_counter() - t0
 
     async def _run(self, t_start: float) -> dict:
@@ -407,11 +539,16 @@ class Controller:
                 if rollouts.done():
                     rollouts.result()  # re-raise a rollout failure
                 stats = _batch_stats(episodes, self.step)
-                tm = await call("trainer", s.trainer.train_step, episodes)
+                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+                tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
+                if tm["skipped"]:
+                    self._skip(tm)
+                    continue
+                self.bad_in_a_row = 0
                 if self.sync_task is not None:
                     await self.sync_task  # receivers may still read the buffer publish overwrites
                 prev_sync = dict(self.last_sync)
-                self.sync_task = asyncio.create_task(self._sync(await self._publish()))
+                self.sync_task = asyncio.create_task(self.publish_and_sync())
                 self.step += 1
                 ro, self.rollout_stats = self.rollout_stats, []
                 mean = lambda k: statistics.fmean(r[k] for r in ro) if ro else 0.0
@@ -427,6 +564,8 @@ class Controller:
                        "weight_sync_exposed_s": prev_sync.get("weight_sync_exposed_s", 0.0),
                        "weight_sync_gb_s": prev_sync.get("weight_sync_gb_s", 0.0),
                        "generator_version": min(self.versions), "gen_replicas": mean("gen_replicas"),
+                       "skipped_batches": self.skipped_batches, "checkpoint_failures": self.checkpoint_failures,
+                       **{f"restarts_{k}": v for k, v in self.restarts.items()},
                        "zero_variance_groups": sum(r.get("zero_variance_groups", 0) for r in ro),
                        "dropped_groups": sum(r.get("dropped_groups", 0) for r in ro),
                        "step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
@@ -460,6 +599,23 @@ class Controller:
                 bar.close()
             mlog.close()
         return row
+
+    def _skip(self, tm: dict) -> None:
+        """A step the trainer skipped (non-finite loss or gradient norm): the batch is dropped and
+        counted, the step is taken again with the next batch.
+
+        Raises:
+            RunFailed: ``fault.max_bad_steps`` skips in a row.
+        """
+        self.skipped_batches += 1
+        self.bad_in_a_row = getattr(self, "bad_in_a_row", 0) + 1
+        checkpoint.warn(f"step {self.step + 1}: non-finite loss ({tm.get('loss')}) or gradient norm "
+                        f"({tm.get('grad_norm')}); optimizer step skipped, batch dropped "
+                        f"({self.bad_in_a_row} in a row, fault.max_bad_steps={self.cfg.fault.max_bad_steps})")
+        if self.bad_in_a_row >= self.cfg.fault.max_bad_steps:
+            raise RunFailed(f"training stopped: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient "
+                            f"norm (fault.max_bad_steps={self.cfg.fault.max_bad_steps}); the last good step is "
+                            f"{self.step}: lower trainer.lr, check the rewards, or resume from a checkpoint")
 
     async def _quiesce(self) -> None:
         """Wait until the weight sync is done and no rollout is in flight, and pause rollouts

@@ -86,11 +86,15 @@ class RewardConfig:
         mode: answer extraction for correctness, ``"strict"`` or ``"flexible"``.
         correct: reward for a correct final answer.
         format_weight: added reward for a well-formed ``#### N`` answer line (format reward).
+        fn: an extra reward term, ``"package.module:function"`` taking ``(response, target)`` and
+            returning a float that is added to the reward (empty: none). A non-finite value poisons
+            its group's advantages, so the trainer skips the step that would train on it.
     """
 
     mode: str = "strict"
     correct: float = 1.0
     format_weight: float = 0.2
+    fn: str = ""
 
 
 @dataclass

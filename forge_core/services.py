@@ -40,7 +40,12 @@ ROLES = {
 }
 
 
-class ActorFailed(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run cannot go on (an actor failed beyond recovery, training diverged); the message says
+    why. Checkpoints and metrics written so far stay intact."""
+
+
+class ActorFailed(RunFailed):
     """An actor call failed, timed out, or its process died; the message names the actor."""
 
 
@@ -121,13 +126,24 @@ class Service:
         """Process ids of the service's ranks."""
         return [w["pid"] for w in self.where]
 
-    async def stop(self, timeout_s: float = 30.0) -> None:
+    async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
         """Stop the service's processes within ``timeout_s`` seconds; errors are ignored (an actor
-        still busy with a cancelled call misses its deadline)."""
+        still busy with a cancelled call misses its deadline). With ``kill``, processes of this host
+        that are still there afterwards (a hung, e.g. stopped, process) get SIGKILL."""
         try:
             await asyncio.wait_for(self.procs.stop(), timeout=timeout_s)
         except Exception:
             pass
+        if kill:
+            import signal
+            import socket
+
+            for w in self.where:
+                if w["hostname"] == socket.gethostname():
+                    try:
+                        os.kill(w["pid"], signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
 
 
 @dataclass
@@ -147,6 +163,8 @@ class Services:
     trainer: Service
     buffer: Service
     plan: Plan
+    cfg: Any = None
+    hosts: Any = None
     faults: list = field(default_factory=list)
     stopping: bool = False
 
@@ -176,6 +194,24 @@ class Services:
         with open(path, "w") as f:
             json.dump(where, f, indent=1)
         return where
+
+    async def respawn(self, name: str) -> Service:
+        """Replace the service ``name`` (``generator[_i]``, ``reward`` or ``reference``) with a new
+        one on the same node and GPUs: the old processes are stopped (killed if they hang).
+        Returns the new service, already in place; its weights are the caller's business.
+
+        Raises:
+            ActorFailed: the new actor's constructor failed.
+        """
+        old = next(s for s in self.all() if s.name == name)
+        await old.stop(10, kill=True)
+        role = "generator" if name.startswith("generator") else name
+        new = await spawn_service(self.cfg, role, old.slot, self.plan, self.hosts, name)
+        if role == "generator":
+            self.generators[self.generators.index(old)] = new
+        else:
+            setattr(self, role, new)
+        return new
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every actor process (idempotent), each within ``timeout_s`` seconds."""
@@ -212,14 +248,31 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
         return dict(base, **place, trainer=_section(cfg, "trainer"), model=_section(cfg, "model"),
                     loss=_section(cfg, "loss"), device=cfg.device, publish_dtype=cfg.generator.dtype,
                     temperature=cfg.generator.temperature, max_response_tokens=cfg.generator.max_response_tokens,
-                    seq_len=seq_len, port=port, addr=addr, weight_sync=_section(cfg, "weight_sync"))
+                    seq_len=seq_len, port=port, addr=addr, weight_sync=_section(cfg, "weight_sync"),
+                    shared_gb=_shared_gb(cfg, plan))
     if role == "reference":
+        t = cfg.trainer
         return dict(base, **place, model=_section(cfg, "model"), device=cfg.device, dtype=cfg.generator.dtype,
-                    temperature=cfg.generator.temperature, micro_batch_size=cfg.trainer.micro_batch_size * (2 if gpu else 1),
-                    seq_len=seq_len, port=port)
+                    temperature=cfg.generator.temperature, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
+                    seq_len=seq_len, port=port, tokens_per_micro_batch=t.tokens_per_micro_batch,
+                    logprob_chunk=t.logprob_chunk, compile=t.compile)
     if role == "reward":
         return {"reward_cfg": _section(cfg, "reward")}
     return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness}
+
+
+def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
+    """GB that others hold on a trainer GPU: a reference sharded over the trainer's GPUs (its
+    weights' share), and a colocated engine asleep (about 2 GB it keeps)."""
+    if cfg.device != "cuda":
+        return 0.0
+    from forge_core import titan
+
+    gb = 0.0
+    if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus):
+        n = sum(k for *_, k in titan.hf_layout(titan.titan_model_args(cfg.model.name)))
+        gb += 2 * n / plan.reference.ranks / 1e9
+    return gb + (2.0 if plan.colocated else 0.0)
 
 
 async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, hosts: Any = None,
@@ -284,7 +337,8 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     else:
         got = await spawn(*gens, *rest)
     trainer, reference, reward, buf = got[n:]
-    svc = Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan)
+    svc = Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
+                   hosts=hosts)
     import monarch.actor
 
     monarch.actor.unhandled_fault_hook = svc.on_fault

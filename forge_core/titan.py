@@ -136,9 +136,11 @@ def hf_layout(spec: TitanSpec) -> list[tuple[str, tuple, int]]:
 
 
 def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, parallelize=None,
-                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The TorchTitan model on ``device``: built on the meta device, ``parallelize(model)`` applied
-    there (FSDP / TP / AC, optional), then ``to_empty`` and ``init_weights`` (seeded), in ``dtype``."""
+                dtype: torch.dtype = torch.float32, packed: bool = False) -> torch.nn.Module:
+    """The TorchTitan model on ``device``: built on the meta device, document-causal attention for
+    packed sequences switched on when ``packed`` (:func:`forge_core.packing.enable_packed_attention`:
+    FlexAttention on CUDA, SDPA with a dense mask on CPU), ``parallelize(model)`` applied there
+    (FSDP / TP / AC / compile, optional), then ``to_empty`` and ``init_weights`` (seeded), in ``dtype``."""
     if spec.family == "llama3":
         from torchtitan.models.llama3.model.model import Transformer as cls
     else:
@@ -147,6 +149,10 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
         model = cls(spec.args)
     if dtype != torch.float32:
         model.to(dtype)
+    if packed:
+        from forge_core.packing import enable_packed_attention
+
+        enable_packed_attention(model, "flex" if torch.device(device).type == "cuda" else "sdpa")
     if parallelize is not None:
         model = parallelize(model) or model
     model.to_empty(device=device)
@@ -330,6 +336,20 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     out = torch.zeros(B, R, device=device, dtype=torch.float32)
     out = out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
     return out
+
+
+def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float:
+    """Estimated peak GB per GPU of a trainer rank: fp32 params, grads and AdamW's two moments (16
+    bytes per parameter, FSDP-sharded over ``world``), one layer's bf16 parameters gathered, and the
+    activations of a ``tokens``-token micro-batch: 34 x dim bytes per token and layer without
+    activation checkpointing (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.1, 16-bit, no
+    score matrix with flash/flex attention), the block inputs (2 x dim bytes) plus one layer's with it."""
+    h = spec.hf
+    n = sum(k for *_, k in hf_layout(spec))
+    D, L = h["hidden_size"], h["num_hidden_layers"]
+    layer = 34 * D * tokens
+    act = (2 * D * tokens * L + layer) if ac else layer * L
+    return (16 * n / world + 2 * n / L + act) / 1e9
 
 
 def flops_per_token(spec: TitanSpec, seq_len: int) -> float:

@@ -17,7 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from forge_core import titan
 from forge_core.actors import init_device, setup_process
-from forge_core.actors.trainer import rank_chunks
+from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.episode import Episode
 from forge_core.weight_sync import WeightHandle, layout_views, open_ipc
 
@@ -30,24 +30,32 @@ class Reference(Actor):
         device: ``"cpu"`` or ``"cuda"``.
         dtype: weight dtype (the generator's).
         temperature: the sampling temperature (logprobs of the tempered distribution).
-        micro_batch_size: sequences per forward.
+        micro_batch_size: sequences per forward (not packing).
+        tokens_per_micro_batch: packing budget (tokens per forward; 0: no packing).
+        logprob_chunk: response positions per block of the chunked logprobs.
+        compile: ``torch.compile`` each block (GPU).
         seq_len: longest prompt + response (tokens).
         seed, threads: process seed and torch threads.
         gpus, per_node, port: as for :class:`forge_core.actors.trainer.Trainer`.
     """
 
     def __init__(self, model: dict, *, device: str, dtype: str, temperature: float, micro_batch_size: int,
-                 seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0, port: int = 0):
+                 seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0, port: int = 0,
+                 tokens_per_micro_batch: int = 0, logprob_chunk: int = 1024, compile: bool = False):
         from monarch.actor import current_rank
 
         setup_process(threads, seed)
+        self.model_cfg, self.dtype = dict(model), getattr(torch, dtype)
         self.world = max(len(gpus), 1)
         self.rank = current_rank().rank if self.world > 1 else 0
         self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self.budget, self.chunk = tokens_per_micro_batch, logprob_chunk
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
-        par = titan.parallelize_fn(self.spec, self.world, 1, False, seq_len) if self.world > 1 else None
-        self.model = titan.build_model(self.spec, self.device, model["seed"], par, dtype=getattr(torch, dtype))
+        compile = compile and device == "cuda"
+        par = titan.parallelize_fn(self.spec, self.world, 1, False, seq_len, compile) if self.world > 1 or compile else None
+        self.model = titan.build_model(self.spec, self.device, model["seed"], par, dtype=getattr(torch, dtype),
+                                       packed=self.budget > 0)
         self.model.requires_grad_(False)
         self.model.eval()
         self.select = titan.PositionSelect(self.model)
@@ -78,19 +86,45 @@ class Reference(Actor):
         return time.perf_counter() - t0
 
     @endpoint
+    async def digest(self) -> str:
+        """sha256 of the weights in HF layout (rank 0 of a sharded reference gathers them)."""
+        from forge_core.weight_sync import digest_of
+
+        return digest_of(titan.named_hf_tensors(self.model, self.spec))
+
+    @endpoint
+    async def rebuild_initial(self) -> str:
+        """Rebuild the initial policy from its source, as the trainer built it (a respawned
+        reference, while the trainer has moved on): the pretrained weights cast to this dtype, or
+        the same seeded random init in fp32, cast. Returns :meth:`digest`; the caller compares it
+        with the digest of the original version 0 (a sharded random init is not reproduced)."""
+        from forge_core.models import ModelConfig, pretrained_dir
+        from forge_core.weight_sync import digest_of
+
+        src = pretrained_dir(ModelConfig(**self.model_cfg))
+        if src:
+            titan.load_hf_dir(self.model, self.spec, src)
+        else:
+            fp32 = titan.build_model(self.spec, self.device, self.model_cfg["seed"])
+            titan.load_hf_state_dict(self.model, self.spec, dict(titan.named_hf_tensors(fp32, self.spec, dtype=self.dtype)))
+            del fp32
+        self.version = 0
+        return digest_of(titan.named_hf_tensors(self.model, self.spec))
+
+    @endpoint
     async def logprobs(self, episodes: list[Episode]) -> tuple[list, float]:
         """Reference logprobs of ``episodes``' responses: ``([R_i] floats per episode, or None for
         the episodes another rank computed), seconds)``; merge the ranks' lists by index."""
         t0 = time.perf_counter()
         out: list = [None] * len(episodes)
-        index = {id(e): i for i, e in enumerate(episodes)}
         with torch.no_grad():
-            for chunk, dummy in rank_chunks(episodes, self.rank, self.world, self.micro_batch_size):
-                R = max(max(len(e.response_ids) for e in chunk), 1)
-                lp = titan.response_logprobs(self.model, chunk, R, self.temperature, self.device, self.select).cpu()
+            for idx, dummy in micro_batches(episodes, self.rank, self.world, self.micro_batch_size, self.budget):
+                R = max(max(len(episodes[i].response_ids) for i in idx), 1)
+                lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget, self.chunk,
+                                 self.select).cpu()
                 if not dummy:
-                    for e, row in zip(chunk, lp):
-                        out[index[id(e)]] = row[:len(e.response_ids)].tolist()
+                    for i, row in zip(idx, lp):
+                        out[i] = row[:len(episodes[i].response_ids)].tolist()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return out, time.perf_counter() - t0

@@ -60,14 +60,40 @@ def accumulate(agg: dict, m: dict, share: float) -> None:
             agg[k] = agg.get(k, 0.0) + share * v
 
 
-def rank_chunks(episodes: list, rank: int, world: int, size: int) -> list[tuple[list, bool]]:
-    """This rank's micro-batches of ``episodes`` (its ``rank::world`` share, ``size`` at a time),
-    as ``(chunk, dummy)``. Every rank gets the same number of micro-batches, as FSDP's collectives
-    need: a rank with fewer runs dummy ones (the batch's first episode, its result unused)."""
-    mine = episodes[rank::world]
-    n = -(-(-(-len(episodes) // world)) // size)
-    out = [(mine[i * size:(i + 1) * size], False) for i in range(n) if mine[i * size:(i + 1) * size]]
-    return out + [(episodes[:1], True)] * (n - len(out))
+def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int = 0) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of ``episodes`` as ``(indices, dummy)``: its ``rank::world`` share,
+    packed by a token budget (``budget`` > 0, :func:`forge_core.packing.pack_episodes`) or ``size``
+    sequences at a time. Every rank gets the same number, as FSDP's collectives need: a rank with
+    fewer runs dummy ones (the batch's first episode, its result unused).
+
+    Raises:
+        ValueError: an episode longer than ``budget`` (names ``trainer.tokens_per_micro_batch``).
+    """
+    from forge_core.packing import pack_episodes
+
+    lens = [len(e.prompt_ids) + len(e.response_ids) for e in episodes]
+
+    def split(idx: list[int]) -> list[list[int]]:
+        if budget:
+            return [[idx[j] for j in b] for b in pack_episodes([lens[i] for i in idx], budget)]
+        return [idx[i:i + size] for i in range(0, len(idx), size)]
+
+    per_rank = [split(list(range(r, len(episodes), world))) for r in range(world)]
+    n = max(len(p) for p in per_rank)
+    return [(b, False) for b in per_rank[rank]] + [([0], True)] * (n - len(per_rank[rank]))
+
+
+def logprobs_of(model, episodes: list, idx: list[int], R: int, temperature: float, device, budget: int,
+                chunk: int, select=None):
+    """``[len(idx), R]`` float32 response logprobs of ``episodes[idx]``: packed into one row of
+    ``budget`` tokens with chunked logprobs (:mod:`forge_core.packing`) when ``budget`` > 0, else
+    padded (:func:`forge_core.titan.response_logprobs`)."""
+    chunk_eps = [episodes[i] for i in idx]
+    if budget:
+        from forge_core.packing import pack_batch, packed_response_logprobs
+
+        return packed_response_logprobs(model, pack_batch(chunk_eps, budget).to(device), R, temperature, chunk)
+    return titan.response_logprobs(model, chunk_eps, R, temperature, device, select)
 
 
 class Trainer(Actor):
@@ -88,11 +114,13 @@ class Trainer(Actor):
         port: ``torch.distributed`` rendezvous port of the ranks (several GPUs).
         addr: this host's address as the generators' hosts reach it (nccl weight transfer).
         weight_sync: the ``weight_sync`` config section (bucket size, timeout).
+        shared_gb: GPU memory (GB) others hold on this rank's GPU (a reference sharing it, a
+            sleeping colocated engine), for the activation-checkpointing estimate.
     """
 
     def __init__(self, trainer: dict, model: dict, loss: dict, *, device: str, publish_dtype: str, temperature: float,
                  max_response_tokens: int, seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0,
-                 port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None):
+                 port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0):
         from monarch.actor import current_rank
         from omegaconf import OmegaConf
 
@@ -106,9 +134,11 @@ class Trainer(Actor):
         self.temperature = temperature
         self.model_name = model["name"]
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
-        par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.t.activation_checkpointing, seq_len,
+        self.budget = int(self.t.tokens_per_micro_batch)
+        self.ac = self._activation_checkpointing(seq_len, shared_gb)
+        par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
-        self.model = titan.build_model(self.spec, self.device, model["seed"], par)
+        self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0)
         src = pretrained_dir(ModelConfig(**model))
         if src:
             titan.load_hf_dir(self.model, self.spec, src)
@@ -130,6 +160,43 @@ class Trainer(Actor):
             loss["horizon"] = max_response_tokens  # Dr. GRPO: the generation budget
         self.loss_cfg = OmegaConf.create(loss)
         self.autocast = self.t.compute_dtype == "bfloat16" and self.world == 1
+        self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
+
+    def _activation_checkpointing(self, seq_len: int, shared_gb: float) -> bool:
+        """``trainer.activation_checkpointing``, or when unset: on iff the memory estimate without it
+        (:func:`forge_core.titan.train_memory_gb`) exceeds 85% of this GPU minus ``shared_gb``."""
+        if self.t.activation_checkpointing is not None:
+            return bool(self.t.activation_checkpointing)
+        if self.device.type != "cuda":
+            return False
+        tokens = self.budget or self.t.micro_batch_size * seq_len
+        need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False)
+        have = torch.cuda.get_device_properties(0).total_memory / 1e9 * 0.85 - shared_gb
+        if self.rank == 0:
+            print(f"[forge] trainer: activation checkpointing {'on' if need > have else 'off'} (estimate "
+                  f"{need:.0f} GB per GPU without it for {tokens} tokens per micro-batch; {have:.0f} GB usable)",
+                  flush=True)
+        return need > have
+
+    def _warm_up(self) -> float:
+        """Compile the blocks now, on a dummy micro-batch (forward and backward, no optimizer step,
+        gradients dropped), so the first real step is not the one that pays. Returns seconds."""
+        from forge_core.episode import Episode
+
+        t0 = time.perf_counter()
+        n = self.budget or 512
+        e = Episode(prompt_id="warm-up", group=0, target="", prompt_ids=[1] * (n // 2), response_ids=[1] * (n - n // 2),
+                    behaviour_logprobs=[0.0] * (n - n // 2), text="", policy_version=0)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            lp = logprobs_of(self.model, [e], [0], n - n // 2, self.temperature, self.device, self.budget,
+                             self.t.logprob_chunk, self.select)
+        (lp.sum() * 0.0).backward()
+        self.opt.zero_grad(set_to_none=True)
+        self._sync()
+        dt = time.perf_counter() - t0
+        if self.rank == 0:
+            print(f"[forge] trainer: torch.compile of the blocks took {dt:.0f} s", flush=True)
+        return dt
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -168,25 +235,36 @@ class Trainer(Actor):
         t0 = time.perf_counter()
         total_rows = sum(1 for e in episodes if e.response_ids)
         total_tokens = float(sum(len(e.response_ids) for e in episodes))
+        b = collate(episodes, 0)  # the step's [B, R] layout: one R for every micro-batch
+        R = b.response_mask.shape[1]
         agg: dict[str, float] = {}
         self.opt.zero_grad(set_to_none=True)
-        dev = lambda x: None if x is None else x.to(self.device, non_blocking=True)
-        for chunk, dummy in rank_chunks(episodes, self.rank, self.world, self.t.micro_batch_size):
-            b = collate(chunk, 0)
-            share = loss_share(self.loss_cfg.aggregation, b.response_mask, total_rows, total_tokens)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                lp = titan.response_logprobs(self.model, chunk, b.response_mask.shape[1], self.temperature,
-                                             self.device, self.select)
-            if dummy:  # no contribution, but the same collectives as the other ranks
-                (lp.sum() * 0.0).backward()
-                continue
-            loss, m = compute_loss(self.loss_cfg, lp, dev(b.behaviour_logprobs), dev(b.advantages),
-                                   dev(b.response_mask), dev(b.ref_logprobs))
-            (loss * share).backward()
-            m["loss"] = loss.item()
-            m["train_tokens"] = float(b.response_mask.sum())
-            m["seq_tokens"] = float(sum(len(e.prompt_ids) + len(e.response_ids) for e in chunk))
-            accumulate(agg, m, share)
+        dev = lambda x, idx: None if x is None else x[idx].to(self.device, non_blocking=True)
+        try:
+            for idx, dummy in micro_batches(episodes, self.rank, self.world, self.t.micro_batch_size, self.budget):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget,
+                                     self.t.logprob_chunk, self.select)
+                if dummy:  # no contribution, but the same collectives as the other ranks
+                    (lp.sum() * 0.0).backward()
+                    continue
+                mask = b.response_mask[idx]
+                share = loss_share(self.loss_cfg.aggregation, mask, total_rows, total_tokens)
+                loss, m = compute_loss(self.loss_cfg, lp, dev(b.behaviour_logprobs, idx), dev(b.advantages, idx),
+                                       dev(b.response_mask, idx), dev(b.ref_logprobs, idx))
+                (loss * share).backward()
+                m["loss"] = loss.item()
+                m["train_tokens"] = float(mask.sum())
+                m["seq_tokens"] = float(sum(len(episodes[i].prompt_ids) + len(episodes[i].response_ids) for i in idx))
+                accumulate(agg, m, share)
+        except torch.OutOfMemoryError as e:
+            self.opt.zero_grad(set_to_none=True)
+            raise RuntimeError(f"trainer: out of GPU memory at policy version {self.version} "
+                               f"({'packed micro-batches of ' + str(self.budget) + ' tokens' if self.budget else str(self.t.micro_batch_size) + ' sequences per micro-batch'}, "
+                               f"activation checkpointing {'on' if self.ac else 'off'}): lower "
+                               f"{'trainer.tokens_per_micro_batch' if self.budget else 'trainer.micro_batch_size'}"
+                               f"{'' if self.ac else ' or set trainer.activation_checkpointing=true'}. "
+                               f"{str(e).splitlines()[0][:200]}") from None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

@@ -1,0 +1,120 @@
+"""Checkpoints on disk: atomic directories, a manifest written last, verification on resume with
+fallback to the previous checkpoint, rotation.
+
+``<run>/checkpoints/step_NNNNNN/`` holds the trainer's files (``model.safetensors``, ``config.json``,
+``optimizer.rank<r>.pt``, ``trainer.json``), the replay buffer (``buffer.pt``), the controller's
+state (``controller.json``: step, rollout batch counter, data position) and, written last,
+``manifest.json``: ``{"step", "files": {relative path: {"bytes", "sha256"}}}``. The directory is
+written as ``step_NNNNNN.tmp`` and renamed, so a save cut short (a crash, a full disk) never looks
+like a checkpoint; the previous one stays as it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+from typing import Optional
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: str, step: int) -> dict:
+    """Write ``manifest.json`` (sizes in bytes and sha256 of every other file under ``path``),
+    fsynced, as the last file of a checkpoint. Returns the manifest."""
+    files = {}
+    for root, _, names in os.walk(path):
+        for n in sorted(names):
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, path)
+            if rel != MANIFEST:
+                files[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
+    man = {"step": step, "files": files}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(man, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return man
+
+
+def verify(path: str) -> Optional[str]:
+    """Why the checkpoint at ``path`` is damaged (a missing file, a size or checksum mismatch), or
+    None when it matches its manifest. A checkpoint without a manifest (older runs) returns None;
+    see :func:`has_manifest`."""
+    man_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(man_path):
+        return None
+    try:
+        with open(man_path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, want in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        if os.path.getsize(full) != want["bytes"]:
+            return f"{rel} has {os.path.getsize(full)} bytes, the manifest says {want['bytes']}"
+        if _sha256(full) != want["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest"
+    return None
+
+
+def has_manifest(path: str) -> bool:
+    """True when the checkpoint carries a manifest (written by this version or later)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def complete(root: str) -> list[str]:
+    """Checkpoint directories under ``root`` (a ``controller.json`` present, not ``.tmp``), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
+                   and os.path.isfile(os.path.join(root, d, "controller.json")))
+    return [os.path.join(root, d) for d in names]
+
+
+def resume_point(root: str) -> Optional[str]:
+    """The newest checkpoint under ``root`` that verifies; a damaged one is skipped with a warning
+    naming it and why, a manifest-less one (an older run) is used with a warning that it cannot be
+    verified. None when there is none."""
+    for path in reversed(complete(root)):
+        why = verify(path)
+        if why is None:
+            if not has_manifest(path):
+                warn(f"checkpoint {path} has no manifest (written by an older version): resuming from it "
+                     f"without verifying it")
+            return path
+        warn(f"checkpoint {path} is damaged ({why}); falling back to the previous checkpoint")
+    return None
+
+
+def rotate(root: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` (at least 1) checkpoints."""
+    for path in complete(root)[:-max(keep, 1)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (an OSError, or an actor's error carrying one as text) says the disk is full."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return any(s in text for s in ("No space left on device", "Errno 28", "code: 28", "StorageFull",
+                                   "Disk quota exceeded"))
+
+
+def warn(msg: str) -> None:
+    """Print a warning line on stderr (visible above the progress bar)."""
+    print(f"[forge] warning: {msg}", file=sys.stderr, flush=True)
