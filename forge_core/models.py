@@ -243,8 +243,12 @@ def load_tokenizer(cfg: Any):
 
     spec = spec_of(cfg.name)
     src_name = spec.tokenizer_from or cfg.name
+    smol = os.path.join(cache_dir(), "smollm2_135m-hf")  # its tokenizer files alone suffice here
+    smol = smol if os.path.isfile(os.path.join(smol, "tokenizer.json")) else None
     try:
-        tok = AutoTokenizer.from_pretrained(_hf_source(src_name, cfg if src_name == cfg.name else ModelConfig(src_name)))
+        src = smol if src_name == "smollm2_135m" and smol else \
+            _hf_source(src_name, cfg if src_name == cfg.name else ModelConfig(src_name))
+        tok = AutoTokenizer.from_pretrained(src)
     except (ModelSourceError, OSError, ValueError) as e:
         if getattr(cfg, "init", "pretrained") != "random" or src_name == "smollm2_135m":
             if isinstance(e, ModelSourceError):
@@ -253,7 +257,7 @@ def load_tokenizer(cfg: Any):
         import warnings
 
         warnings.warn(f"tokenizer of {cfg.name!r} unreachable ({str(e)[:120]}); model.init=random: using SmolLM2's")
-        tok = AutoTokenizer.from_pretrained(converted_smollm2())
+        tok = AutoTokenizer.from_pretrained(smol or converted_smollm2())
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
