@@ -1,19 +1,25 @@
 """GPU benchmark (``make bench``): one table, every row naming the device it ran on.
 
-    python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus 1] [--steps 2] [--out bench.json]
+    python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus N] [--sections gen,scale,train,sync]
+                                   [--layouts 1x2,2x1] [--out bench.json] [overrides ...]
 
-Real actors (:func:`forge_core.controller.spawn_services`), the recipe's shape with random
-weights (``model.init=random``), GSM8K prompts, 16 prompts x G=8, up to 1024 new tokens:
+Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
+(``model.init=random``), GSM8K prompts, 16 prompts x G=8, up to 1024 new tokens:
 
-- generator tokens/s through our actor (caller-timed: chat-formatted token prompts in, Episode
-  objects back over Monarch) against raw ``LLM.generate`` in the same engine on the same prompts
-  (``ignore_eos``, so both produce exactly 16 x 8 x 1024 tokens);
-- weight sync: trainer publish (cast + copy into the staging buffer) and the generator's in-place
-  ``load_weights`` from CUDA IPC (same GPU or peer GPU), seconds and GB/s, bit-for-bit checked;
-- trainer tokens/s (prompt + response tokens through forward + backward) and MFU (6N + attention
-  FLOPs over the bf16 datasheet peak);
-- full GRPO step: generate -> reward -> reference logprobs -> advantages -> train -> publish ->
-  sync, as the controller runs it with ``max_staleness=0`` (colocated: with sleep/wake).
+- ``gen``: generator tokens/s through our actor (caller-timed: token prompts in, Episode objects
+  back over Monarch) against raw ``LLM.generate`` in the same engine on the same prompts
+  (``ignore_eos``: both produce exactly 16 x 8 x 1024 tokens).
+- ``scale``: generator tok/s over 1, 2, ... replicas of TP=1 (``--gpus`` of them) on the same
+  prompts (64 x 8 x 1024), groups spread by the controller's Dispatcher; the scaling efficiency;
+  and every ``--layouts`` entry ``RxT`` (R replicas of TP=T) on the same prompts (e.g. ``1x2,2x1``).
+- ``train``: our trainer's tokens/s on a batch of generated lengths (16 x 8 episodes, prompt +
+  response tokens through forward and backward; packing, chunked logprobs, compile, AC as
+  configured; with and without activation checkpointing), MFU, peak memory, against the anchor
+  (:mod:`benchmarks.anchor`: a plain compiled TorchTitan step on the same number of tokens, same
+  GPUs): ``anchor_ratio`` = ours / anchor. bf16 packed vs unpacked logprobs agree on the real shape.
+- ``sync``: weight sync in the node (publish: gather + cast + copy; load: in-place ``load_weights``
+  + prefix-cache reset), seconds and GB/s, bit for bit (every TP rank's shard).
+The full GRPO step is measured by a real run (``launch.local``, metrics.jsonl): see benchmarks/gpu.sh.
 """
 
 from __future__ import annotations
@@ -22,153 +28,333 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 
-
-def cfg_overrides(model: str, gpus: int, data_dir: str, extra: list) -> list:
-    if gpus == 1:
-        lay = ["layout.gpus_per_node=1", "max_staleness=0", "generator.gpu_memory_utilization=0.35",
-               "trainer.activation_checkpointing=true"]
-    elif gpus == 2:
-        lay = ["layout.gpus_per_node=2", "layout.generator.gpus=1", "layout.trainer.gpus=1", "layout.reference.gpus=0",
-               "generator.gpu_memory_utilization=0.8", "max_staleness=0", "trainer.activation_checkpointing=true"]
-    else:
-        lay = [f"layout.gpus_per_node={gpus}", "layout.generator.gpus=1", f"layout.trainer.gpus={gpus - 2}",
-               "layout.reference.gpus=1", "generator.gpu_memory_utilization=0.8", "max_staleness=0",
-               "trainer.activation_checkpointing=true"]
-    # one node: a multi-node recipe (llama3_8b) is measured with every role on node 0
-    lay += ["layout.nodes=1", "layout.generator.host=0", "layout.trainer.host=0", "layout.reference.host=0"]
-    return ["model.init=random", "prompts_per_step=16", "generator.group_size=8", "generator.max_response_tokens=1024",
-            "generator.max_prompt_tokens=1024", "trainer.micro_batch_size=8", f"data.dir={data_dir}", *lay, *extra]
+ROWS: list = []
 
 
-async def bench(model: str, gpus: int, steps: int, data_dir: str, extra: list) -> list:
+def row(what: str, value: str, target: str = "", **kw) -> None:
     import torch
 
-    from forge_core.config import load_config
-    from forge_core.controller import call, spawn_services
+    dev = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    ROWS.append(dict(what=what, value=value, target=target, device=dev, **kw))
+    print(f"| {what} | {value} | {target} | {dev} |", flush=True)
+
+
+def overrides(model: str, gpus: int, data_dir: str, extra: list) -> tuple[str, list]:
+    """The recipe shape on this machine's ``gpus``: 1 GPU colocated; 2: generator | trainer with the
+    reference sharded on it; more: generator | trainer FSDP | reference."""
+    if gpus == 1:
+        lay = ["layout.gpus_per_node=1", "layout.trainer.gpus=1", "layout.reference.gpus=0", "max_staleness=0",
+               "generator.gpu_memory_utilization=0.35"]
+    elif gpus == 2:
+        lay = ["layout.gpus_per_node=2", "layout.trainer.gpus=1", "layout.reference.gpus=0"]
+    else:
+        lay = [f"layout.gpus_per_node={gpus}", f"layout.trainer.gpus={gpus - 2}", "layout.reference.gpus=1"]
+    lay += ["layout.nodes=1", "layout.generator.host=0", "layout.generator.replicas=1", "layout.generator.tp=1",
+            "layout.trainer.host=0", "layout.reference.host=0"]
+    recipe = model if model in ("qwen3_1_7b", "qwen3_8b", "llama3_8b") else "qwen3_1_7b"
+    return recipe, [f"model.name={model}", "model.init=random", "prompts_per_step=16", "generator.group_size=8",
+                    "generator.max_response_tokens=1024", "generator.max_prompt_tokens=1024", f"data.dir={data_dir}",
+                    *lay, *extra]
+
+
+def prompts_of(cfg, n: int) -> list:
     from forge_core.data import PromptSource, chat_prompt, load_gsm8k
-    from forge_core.losses import compute_advantages
     from forge_core.models import load_tokenizer
 
-    dev = f"{torch.cuda.get_device_name(0)} x{gpus}"
-    rows = []
+    tok = load_tokenizer(cfg.model)
+    probs = PromptSource(load_gsm8k("train", cfg.data.dir), 0).next_batch(n)
+    return [tok(chat_prompt(tok, p.question, cfg.data.system_prompt), add_special_tokens=False).input_ids for p in probs]
 
-    def row(what, value, target="", **kw):
-        rows.append(dict(what=what, value=value, target=target, device=dev, **kw))
-        print(f"| {what} | {value} | {target} | {dev} |", flush=True)
 
-    recipe = model if model in ("qwen3_1_7b", "qwen3_8b", "llama3_8b") else "qwen3_1_7b"
-    cfg = load_config(recipe, cfg_overrides(model, gpus, data_dir, [f"model.name={model}"] + extra))
+async def gen_rate(gens: list, prompts: list, G: int, R: int) -> tuple[float, int]:
+    """Aggregate tok/s of ``gens`` on ``prompts`` (whole groups per replica, the Dispatcher's split)."""
+    from forge_core.controller import Dispatcher
+    from forge_core.services import call
+
+    plan = Dispatcher(len(gens)).assign(len(prompts), list(range(len(gens))))
     t0 = time.perf_counter()
+    res = await asyncio.gather(*(call(gens[r].name, gens[r].bench, [prompts[i] for i in gs], G, R)
+                                 for r, gs in plan.items()))
+    dt = time.perf_counter() - t0
+    tokens = sum(st["tokens"] for _, st in res)
+    return tokens / dt, tokens
+
+
+async def section_gen(cfg, prompts) -> list:
+    from forge_core.layout import plan_layout
+    from forge_core.services import call, spawn_service
+
+    plan = plan_layout(cfg)
+    g = await spawn_service(cfg, "generator", plan.generators[0], plan)
+    try:
+        G, R = cfg.generator.group_size, cfg.generator.max_response_tokens
+        await call("generator", g.bench, prompts[:4], 2, 32)  # warm-up
+        raw, ours, eps = [], [], []
+        for _ in range(2):
+            raw.append((await call("generator", g.bench, prompts, G, R))[1])
+            t0 = time.perf_counter()
+            eps, st = await call("generator", g.bench, prompts, G, R, True)
+            ours.append(st["tokens"] / (time.perf_counter() - t0))
+        raw_ts = max(r["tok_s"] for r in raw)
+        row(f"generator tok/s, raw vLLM LLM.generate ({len(prompts)}x{G}x{R})", f"{raw_ts:,.0f}")
+        row("generator tok/s through our actor (same engine, same prompts)",
+            f"{max(ours):,.0f} ({max(ours) / raw_ts:.1%} of raw)", ">= 90% of raw", ratio=max(ours) / raw_ts)
+        return eps
+    finally:
+        await g.stop(60)
+
+
+async def section_scale(cfg, prompts, gpus: int, layouts: list) -> None:
+    """Replica scaling (TP=1 replicas, 1..gpus) and RxT layouts, generators only (dummy weights)."""
+    from omegaconf import OmegaConf
+
+    from forge_core.layout import Plan, Slot
+    from forge_core.services import call, spawn_service
+
+    G, R = cfg.generator.group_size, cfg.generator.max_response_tokens
+
+    async def measure(replicas: int, tp: int, subsets: list) -> list:
+        c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": gpus}})
+        slots = [Slot(0, list(range(i * tp, (i + 1) * tp))) for i in range(replicas)]
+        plan = Plan(slots, Slot(0, [gpus]), Slot(0, [gpus]), False, gpus)  # generators only
+        gens = await asyncio.gather(*(spawn_service(c, "generator", s, plan, name=f"generator_{i}")
+                                      for i, s in enumerate(slots)))
+        try:
+            await asyncio.gather(*(call(g.name, g.bench, prompts[:4], 2, 32) for g in gens))  # warm-up
+            return [max([await gen_rate(gens[:k], prompts, G, R) for _ in range(2)]) for k in subsets]
+        finally:
+            for g in gens:
+                await g.stop(60)
+
+    rates = await measure(gpus, 1, list(range(1, gpus + 1)))
+    base = rates[0][0]
+    for k, (ts, tok) in enumerate(rates, 1):
+        eff = ts / (k * base)
+        row(f"generator tok/s, {k} replica(s) x TP=1 ({len(prompts)}x{G}x{R}, {tok} tokens)",
+            f"{ts:,.0f} ({eff:.0%} scaling efficiency)", ">= 90% per added replica", replicas=k, tok_s=ts, efficiency=eff)
+    for lay in layouts:
+        r, t = (int(x) for x in lay.split("x"))
+        ts, tok = (await measure(r, t, [r]))[0]
+        row(f"generator tok/s, {r} replica(s) x TP={t} ({len(prompts)}x{G}x{R})", f"{ts:,.0f}", layout=lay, tok_s=ts)
+
+
+async def tp_weights_check(cfg, tp: int) -> None:
+    """One engine of TP=``tp`` loads a version from a buffer of random HF-layout weights on GPU 0
+    (this process plays the trainer), then every TP rank's shard is compared bit for bit."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from forge_core import titan
+    from forge_core.layout import Plan, Slot
+    from forge_core.services import call, spawn_service
+    from forge_core.weight_sync import StagingBuffer
+
+    c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": tp}, "generator": {"gpu_memory_utilization": 0.6}})
+    slot = Slot(0, list(range(tp)))
+    g = await spawn_service(c, "generator", slot, Plan([slot], Slot(0, [tp]), Slot(0, [tp]), False, tp))
+    try:
+        spec = titan.titan_model_args(cfg.model.name)
+        buf = StagingBuffer(titan.hf_layout(spec), torch.bfloat16, torch.device("cuda:0"))
+        torch.manual_seed(0)
+        buf.flat.normal_(0, 0.02)
+        h = buf.handle(1)
+        r = await call("generator", g.update_weights, h)
+        bad = await call("generator", g.weights_match)
+        row(f"TP={tp} engine loads {h.nbytes / 1e9:.1f} GB ({r['mode']}, {r['sync_s']:.3f} s); every rank's shard == "
+            f"the trainer's bytes", "bit-identical" if not bad else f"DIFFERENT: {bad[:3]}", "bitwise", tp=tp, ok=not bad)
+        del buf
+    finally:
+        await g.stop(60)
+
+
+def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128) -> list:
+    """``n`` episodes with generated (or recipe-typical) lengths, random token ids, random +-1
+    advantages and reference = behaviour logprobs."""
+    import random
+
+    from forge_core.episode import Episode
+
+    rnd = random.Random(0)
+    V = 49152
+    out = []
+    for i in range(n):
+        if eps_from_gen:
+            src = eps_from_gen[i % len(eps_from_gen)]
+            p, r = len(src.prompt_ids), len(src.response_ids)
+        else:
+            p, r = rnd.randint(120, 260), rnd.randint(200, cfg.generator.max_response_tokens)
+        resp = [rnd.randrange(3, V) for _ in range(r)]
+        out.append(Episode(prompt_id=str(i), group=i // cfg.generator.group_size, target="", text="",
+                           prompt_ids=[rnd.randrange(3, V) for _ in range(p)], response_ids=resp,
+                           behaviour_logprobs=[-2.0] * r, ref_logprobs=[-2.0] * r, policy_version=0,
+                           advantage=rnd.choice([-1.0, 1.0])))
+    return out
+
+
+def anchor(model: str, tokens: int, gpus: list, seq_len: int) -> dict:
+    """:mod:`benchmarks.anchor` in a subprocess on ``gpus`` (torchrun over them when several)."""
+    cmd = [sys.executable, "-m", "benchmarks.anchor", "--model", model, "--tokens", str(tokens), "--seq-len", str(seq_len)]
+    if len(gpus) > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(gpus)}", "-m", "benchmarks.anchor",
+               *cmd[3:]]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in gpus))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"anchor failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+async def section_train(cfg, eps_from_gen: list, train_gpus: int) -> None:
+    """Trainer (alone, on ``train_gpus`` GPUs, or the layout's) against the anchor on the same GPUs."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from forge_core.layout import Plan, Slot, plan_layout
+    from forge_core.services import call, spawn_service
+
+    eps = synthetic_episodes(cfg, eps_from_gen)
+    tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
+    seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
+    tgpus = list(range(train_gpus)) if train_gpus else plan_layout(cfg).trainer.gpus
+    a = anchor(cfg.model.name, tokens, tgpus, seq)
+    world = len(tgpus)
+    if cfg.trainer.tokens_per_micro_batch:
+        d = packed_vs_padded(cfg, eps[:16])
+        row("bf16 logprobs, packed (flex, document-causal) vs padded (SDPA causal), same weights, 16 episodes",
+            f"mean |diff| {d['mean']:.4f}, max {d['max']:.3f}", "bf16 tolerance (mean < 0.02)",
+            ok=d["mean"] < 0.02, **d)
+    row(f"anchor: plain TorchTitan step, compiled, bf16, {a['tokens']} tokens in rows of {seq} (x{world} GPU)",
+        f"{a['anchor_tok_s']:,.0f} tok/s ({a['anchor_step_s']:.2f} s/step, peak {a['peak_mem_gb']:.0f} GB)", "",
+        **{f"anchor_{k}": v for k, v in a.items() if not k.startswith("anchor")}, anchor_tok_s=a["anchor_tok_s"])
+    n = max(torch.cuda.device_count(), max(tgpus) + 1)
+    for ac in (False, True):
+        c = OmegaConf.merge(cfg, {"trainer": {"activation_checkpointing": ac}, "layout": {"gpus_per_node": n}})
+        plan = Plan([Slot(0, [n])], Slot(0, tgpus), Slot(0, [n]), False, n)  # the trainer alone on its GPUs
+        t = await spawn_service(c, "trainer", plan.trainer, plan)
+        try:
+            ms = [await call("trainer", t.train_step, eps) for _ in range(3)]
+            m = max(ms[1:], key=lambda x: x["tokens_per_s"])
+            ratio = m["tokens_per_s"] / a["anchor_tok_s"]
+            row(f"trainer tok/s ({len(eps)} episodes, {m['seq_tokens']:.0f} tokens; packing "
+                f"{c.trainer.tokens_per_micro_batch or 'off'}, compile {c.trainer.compile}, AC {ac})",
+                f"{m['tokens_per_s']:,.0f}  MFU {m['mfu']:.1%}  {m['train_s']:.2f} s/step  peak {m['peak_mem_gb']:.0f} GB  "
+                f"= {ratio:.0%} of the anchor", ">= 90% of the anchor", anchor_ratio=ratio, trainer_tok_s=m["tokens_per_s"],
+                anchor_tok_s=a["anchor_tok_s"], mfu=m["mfu"], peak_mem_gb=m["peak_mem_gb"], ac=ac,
+                compile_s=await call("trainer", t.compile_time))
+        except Exception as e:  # e.g. out of memory without AC: a row saying so
+            row(f"trainer AC {ac}", f"failed: {str(e)[:300]}")
+        finally:
+            await t.stop(60)
+        torch.cuda.empty_cache()
+
+
+def packed_vs_padded(cfg, eps: list) -> dict:
+    """Response logprobs of ``eps`` under the same bf16 random weights, packed vs padded, in this
+    process (GPU 0): ``{"mean", "max"}`` absolute differences over response tokens."""
+    import torch
+
+    from forge_core import titan
+    from forge_core.actors.trainer import logprobs_of
+
+    spec = titan.titan_model_args(cfg.model.name)
+    dev = torch.device("cuda")
+    out = []
+    for budget in (cfg.trainer.tokens_per_micro_batch, 0):
+        m = titan.build_model(spec, dev, 0, dtype=torch.bfloat16, packed=budget > 0).eval()
+        R = max(len(e.response_ids) for e in eps)
+        with torch.no_grad():
+            lps = []
+            for i in range(0, len(eps), 4):
+                idx = list(range(i, min(i + 4, len(eps))))
+                lps.append(logprobs_of(m, eps, idx, R, 1.0, dev, budget, 1024, titan.PositionSelect(m)))
+        out.append(torch.cat(lps))
+        del m
+        torch.cuda.empty_cache()
+    mask = torch.zeros_like(out[0], dtype=torch.bool)
+    for i, e in enumerate(eps):
+        mask[i, :len(e.response_ids)] = True
+    d = (out[0] - out[1]).abs()[mask]
+    return {"mean": float(d.mean()), "max": float(d.max())}
+
+
+async def section_sync(cfg) -> None:
+    from forge_core.controller import Controller
+    from forge_core.services import call, spawn_services
+
     svc = await spawn_services(cfg)
     try:
-        h0 = await call("trainer", svc.trainer.publish)
-        await call("reference", svc.reference.load_initial, h0)
-        await call("generator", svc.generator.update_weights, h0)
-        row("start-up (engine, trainer, reference, first sync)", f"{time.perf_counter() - t0:.0f} s")
-        tok = load_tokenizer(cfg.model)
-        src = PromptSource(load_gsm8k("train", data_dir), 0)
-        probs = src.next_batch(16)
-        prompts = [tok(chat_prompt(tok, p.question, cfg.data.system_prompt), add_special_tokens=False).input_ids
-                   for p in probs]
-        G, R = cfg.generator.group_size, cfg.generator.max_response_tokens
-        await call("generator", svc.generator.bench_raw, prompts[:4], 2, 32)  # warm-up
-        raw, ours = [], []
-        for _ in range(int(os.environ.get('BENCH_REPEATS', '2'))):
-            raw.append(await call("generator", svc.generator.bench_raw, prompts, G, R))
-            ta = time.perf_counter()
-            eps, a = await call("generator", svc.generator.bench_actor, prompts, G, R)
-            ours.append(a["tokens"] / (time.perf_counter() - ta))
-        raw_ts = max(r["tok_s"] for r in raw)
-        our_ts = max(ours)
-        row(f"generator tok/s, raw vLLM LLM.generate ({len(prompts)}x{G}x{R})", f"{raw_ts:,.0f}", "", tokens=raw[0]["tokens"])
-        row("generator tok/s through our actor (same engine, same prompts)", f"{our_ts:,.0f} ({our_ts / raw_ts:.1%} of raw)",
-            ">= 90% of raw", ratio=our_ts / raw_ts)
-        await call("generator", svc.generator.release)
-        # trainer throughput on the generated batch (random advantages, reference = behaviour)
-        import random
+        ctl = Controller(cfg, "/tmp/bench-sync", progress=False)
+        ctl.svc = svc
+        from forge_core.data import PromptSource, load_gsm8k
 
-        rnd = random.Random(0)
-        for e in eps:
-            e.advantage = rnd.choice([-1.0, 1.0])
-            e.ref_logprobs = list(e.behaviour_logprobs)
-        ms = []
-        for _ in range(int(os.environ.get('BENCH_REPEATS', '2'))):
-            ms.append(await call("trainer", svc.trainer.train_step, eps))
-        m = ms[-1]
-        row(f"trainer tok/s ({len(eps)} seqs, {m['seq_tokens']:.0f} tokens, AC={cfg.trainer.activation_checkpointing})",
-            f"{m['tokens_per_s']:,.0f}  MFU {m['mfu']:.1%}  ({m['train_s']:.2f} s/step, peak {m['peak_mem_gb']:.0f} GB)", "")
-        # weight sync
-        syncs, pubs = [], []
+        ctl.source = PromptSource(load_gsm8k("train", cfg.data.dir), 0)
+        t0 = time.perf_counter()
+        await ctl.start()
+        row("start-up (engine, trainer, reference; version 0 everywhere)", f"{time.perf_counter() - t0:.0f} s")
+        best = None
         for _ in range(3):
-            tp = time.perf_counter()
-            h = await call("trainer", svc.trainer.publish)
-            pubs.append(time.perf_counter() - tp)
-            ts = time.perf_counter()
-            r = await call("generator", svc.generator.update_weights, h)
-            syncs.append((r, time.perf_counter() - ts))
-        best = min(syncs, key=lambda x: x[0]["sync_s"])
+            await ctl.publish_and_sync()
+            if best is None or ctl.last_sync["weight_sync_exposed_s"] < best["weight_sync_exposed_s"]:
+                best = dict(ctl.last_sync)
+        h = await call("trainer", svc.trainer.publish)
         gb = h.nbytes / 1e9
-        row(f"weight sync, {gb:.2f} GB {h.dtype}, {best[0]['mode']}: in-place load_weights + prefix-cache reset",
-            f"{best[0]['sync_s']:.3f} s  {gb / best[0]['sync_s']:.2f} GB/s",
-            "<= 0.2 s in a node" if best[0]["mode"].startswith("ipc") else "(the cross-node path)")
-        row("weight sync end to end (publish: gather+cast+copy; update call incl. wake and actor messages)",
-            f"{min(pubs):.3f} s + {min(s for _, s in syncs):.3f} s", "")
-        dt, dg = await call("trainer", svc.trainer.weights_digest), await call("generator", svc.generator.weights_digest)
-        row("generator weights == trainer weights cast to bf16 (sha256)", "bit-identical" if dt == dg and dt else
-            f"DIFFERENT {dt[:8]} {dg[:8]}", "bitwise")
-        # full GRPO steps
-        times = []
-        for k in range(steps):
-            parts = {}
-            ts = time.perf_counter()
-            eps, st = await call("generator", svc.generator.generate, src.next_batch(16), 1000 + k)
-            parts["generate"] = time.perf_counter() - ts
-            t1 = time.perf_counter()
-            eps = await call("reward", svc.reward.score, eps)
-            eps, _ = await call("reference", svc.reference.logprobs, eps)
-            parts["reward+ref"] = time.perf_counter() - t1
-            rewards = torch.tensor([e.reward for e in eps]).view(-1, G)
-            adv, _, _ = compute_advantages(rewards, cfg.advantage)
-            for e, a in zip(eps, adv.flatten().tolist()):
-                e.advantage = a if any(adv.flatten()) else rnd.choice([-1.0, 1.0])  # random weights: no reward signal
-            t2 = time.perf_counter()
-            m = await call("trainer", svc.trainer.train_step, eps)
-            parts["train"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            h = await call("trainer", svc.trainer.publish)
-            r = await call("generator", svc.generator.update_weights, h)
-            parts["publish+sync"] = time.perf_counter() - t3
-            times.append((time.perf_counter() - ts, parts, st, m))
-        tot, parts, st, m = min(times, key=lambda x: x[0])
-        ntok = st["gen_tokens"]
-        row(f"full GRPO step (16 prompts x 8 x up to {R} tokens; {ntok} generated)",
-            f"{tot:.1f} s  (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; sleep {st['sleep_s']:.1f}, "
-            f"wake {st['wake_s'] + r.get('wake_s', 0):.1f})", "<= 20 s on one H100", step_s=tot, parts=parts)
+        row(f"weight sync in the node, {gb:.2f} GB {h.dtype}, {best['weight_sync_mode']}: in-place load_weights + "
+            f"prefix-cache reset", f"{best['weight_sync_exposed_s']:.3f} s ({gb / best['weight_sync_exposed_s']:.0f} GB/s); "
+            f"publish + load {best['weight_sync_s']:.3f} s", "<= 0.1 s exposed", **best)
+        await call("generator", svc.generator.update_weights, h)
+        bad = await call("generator", svc.generator.weights_match)
+        row(f"generator weights == trainer's cast to {h.dtype}, every TP rank's shard", "bit-identical" if not bad
+            else f"DIFFERENT: {bad[:3]}", "bitwise")
     finally:
         await svc.stop(60)
-    return rows
+
+
+async def bench(a) -> None:
+    from forge_core.config import load_config
+
+    recipe, ov = overrides(a.model, a.gpus, a.data, a.overrides)
+    cfg = load_config(recipe, ov)
+    prompts = prompts_of(cfg, 16)
+    secs = a.sections.split(",")
+    eps = await section_gen(cfg, prompts) if "gen" in secs else []
+    if "scale" in secs:
+        layouts = [x for x in a.layouts.split(",") if x]
+        await section_scale(cfg, prompts_of(cfg, 64), a.gpus, layouts)
+        for t in sorted({int(x.split("x")[1]) for x in layouts} - {1}):
+            await tp_weights_check(cfg, t)
+    if "train" in secs:
+        await section_train(cfg, eps, a.train_gpus)
+    if "sync" in secs:
+        await section_sync(cfg)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3_1_7b")
     p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--sections", default="gen,train,sync")
+    p.add_argument("--layouts", default="")
+    p.add_argument("--train-gpus", type=int, default=0, help="train section: the trainer on GPUs 0..N-1 (0: the layout's)")
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))
     p.add_argument("--out", default="")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     print("| what | value | target | device |\n|---|---|---|---|", flush=True)
-    rows = asyncio.run(bench(a.model, a.gpus, a.steps, a.data, a.overrides))
-    print(f"\n## bench {a.model} on {a.gpus} GPU(s), {time.strftime('%Y-%m-%d')}\n| what | value | target | device |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['what']} | {r['value']} | {r['target']} | {r['device']} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    try:
+        asyncio.run(bench(a))
+    finally:
+        print(f"\n## bench {a.model} on {a.gpus} GPU(s), {time.strftime('%Y-%m-%d')}\n| what | value | target | device |\n"
+              f"|---|---|---|---|")
+        for r in ROWS:
+            print(f"| {r['what']} | {r['value']} | {r['target']} | {r['device']} |")
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(ROWS, f, indent=1, default=str)
     return 0
 
 

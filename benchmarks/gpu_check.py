@@ -21,10 +21,10 @@ import sys
 import time
 
 
-def overrides(model: str, gpus: int, data_dir: str) -> list:
+def overrides(model: str, gpus: int, data_dir: str, extra: tuple = ()) -> list:
     """1 GPU: colocated; 2: generator | trainer + reference; 3+: generator | trainer (FSDP) | reference."""
     if gpus == 1:
-        lay = ["layout.gpus_per_node=1", "max_staleness=0"]
+        lay = ["layout.gpus_per_node=1", "layout.trainer.gpus=1", "layout.reference.gpus=0", "max_staleness=0"]
     elif gpus == 2:
         lay = ["layout.gpus_per_node=2", "layout.trainer.gpus=1", "layout.reference.gpus=0"]
     else:
@@ -32,10 +32,10 @@ def overrides(model: str, gpus: int, data_dir: str) -> list:
     return [f"model.name={model}", "device=cuda", "generator.backend=vllm", "prompts_per_step=4",
             "generator.group_size=4", "generator.max_response_tokens=64", "generator.max_prompt_tokens=256",
             "generator.gpu_memory_utilization=0.25", "trainer.micro_batch_size=8", f"data.dir={data_dir}",
-            *(["model.init=random"] if model != "smollm2_135m" else []), *lay]
+            "model.init=random", *lay, *extra]
 
 
-async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str = "") -> list:
+async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str = "", extra: tuple = ()) -> list:
     """Returns ``[(name, ok, detail)]``."""
     import torch
 
@@ -50,7 +50,7 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
         res.append((name, bool(ok), detail))
         print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
 
-    cfg = load_config("smollm2_135m", overrides(model, gpus, data_dir))
+    cfg = load_config("smollm2_135m", overrides(model, gpus, data_dir, extra))
     t0 = time.perf_counter()
     svc = await spawn_services(cfg)
     try:
@@ -64,6 +64,8 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
               f"startup {time.perf_counter() - t0:.0f}s, sync {r0['sync_s']:.4f}s mode={r0['mode']} {info}")
         dt, dg = await call("trainer", svc.trainer.weights_digest), await call("generator", svc.generator.weights_digest)
         check("bitwise equal weights v0 (sha256, HF layout)", dt == dg and dt != "", dt[:16])
+        bad = await call("generator", svc.generator.weights_match)
+        check("every TP rank's shard equals the trainer's bytes", not bad, str(bad[:3]))
         d0 = dt
         losses = []
         for step in range(2):
@@ -108,11 +110,12 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))
     p.add_argument("--out", default="")
+    p.add_argument("overrides", nargs="*", help="more config overrides, e.g. trainer.tokens_per_micro_batch=1024")
     a = p.parse_args()
     import torch
 
     print(f"device: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}", flush=True)
-    res = asyncio.run(run_checks(a.model, a.gpus, a.data))
+    res = asyncio.run(run_checks(a.model, a.gpus, a.data, tuple(a.overrides)))
     n_ok = sum(ok for _, ok, _ in res)
     print(f"gpu_check {a.model} gpus={a.gpus}: {n_ok}/{len(res)} passed", flush=True)
     if a.out:

@@ -91,6 +91,10 @@ MODELS: dict[str, ModelSpec] = {
     "qwen3_1_7b": ModelSpec(source="hf", path="Qwen/Qwen3-1.7B", arch=_QWEN3_1_7B_ARCH),
     "qwen3_8b": ModelSpec(source="hf", path="Qwen/Qwen3-8B", arch=_QWEN3_8B_ARCH),
     "llama3_8b": ModelSpec(source="hf", path="meta-llama/Llama-3.1-8B-Instruct", gated=True, arch=_LLAMA3_8B_ARCH),
+    # Llama-3.1-8B's layer and vocabulary shapes with 16 of its 32 layers (4.5B): a trainer with
+    # AdamW that fits one 141 GB GPU, for benchmarks of the 8B shape on 1-GPU hosts (random init only).
+    "llama3_8b_16l": ModelSpec(source="hf", path="meta-llama/Llama-3.1-8B-Instruct", gated=True,
+                               arch=dict(_LLAMA3_8B_ARCH, num_hidden_layers=16)),
 }
 
 

@@ -235,7 +235,7 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
     """The constructor arguments of ``role``'s actor: its own config section plus named fields."""
     gpu = cfg.device == "cuda"
     seq_len = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
-    base = {"seed": cfg.seed, "threads": cfg.threads_per_actor}
+    base = {"seed": cfg.seed, "threads": max(cfg.threads_per_actor, 4) if gpu else cfg.threads_per_actor}
     place = {"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {}
     if role == "generator":
         kw = dict(base, generator=_section(cfg, "generator"), model=_section(cfg, "model"),

@@ -160,3 +160,37 @@ def test_weight_sync_buckets_and_flat_layout():
     flat = torch.arange(154.0)
     views = dict(layout_views(flat, layout))
     assert views["b"][0] == 16 and views["d"][-1] == 153 and views["a"].shape == (4, 4)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vllm_tp_shards_recover_hf_slices(tp, monkeypatch):
+    """Each TP rank's fused vLLM parameters, built the way vLLM shards them (q/k/v and gate/up rows,
+    o/down columns, vocabulary rows, KV heads replicated when fewer than TP), seen through
+    hf_views_of_vllm, equal expected_shard of the full HF tensors."""
+    from forge_core import titan
+    from forge_core.actors import vllm_generator as vg
+
+    hf = hf_config_dict("tiny_llama")  # 4 heads, 2 KV heads: TP=4 replicates KV heads
+    sd = load_model(ModelConfig("tiny_llama", init="random")).state_dict()
+    layout = titan.hf_layout(titan.titan_model_args("tiny_llama"))
+    hd, kvh = hf["hidden_size"] // hf["num_attention_heads"], hf["num_key_value_heads"]
+    per = -(-hf["vocab_size"] // 64) * 64 // tp
+    for rank in range(tp):
+        def kv_rows(t):
+            return t.chunk(tp)[rank] if kvh >= tp else t[(rank // (tp // kvh)) * hd:(rank // (tp // kvh) + 1) * hd]
+        params = {}
+        for k, v in sd.items():
+            if ".q_proj." in k:
+                params[k.replace("q_proj", "qkv_proj")] = torch.cat([
+                    v.chunk(tp)[rank], kv_rows(sd[k.replace("q_proj", "k_proj")]), kv_rows(sd[k.replace("q_proj", "v_proj")])])
+            elif ".gate_proj." in k:
+                params[k.replace("gate_proj", "gate_up_proj")] = torch.cat([v.chunk(tp)[rank], sd[k.replace("gate_proj", "up_proj")].chunk(tp)[rank]])
+            elif ".o_proj." in k or ".down_proj." in k:
+                params[k] = v.chunk(tp, 1)[rank]
+            elif "embed_tokens" in k:
+                params[k] = torch.nn.functional.pad(v, (0, 0, 0, per * tp - v.shape[0]))[rank * per:(rank + 1) * per]
+            elif not any(s in k for s in (".k_proj.", ".v_proj.", ".up_proj.", "lm_head")):
+                params[k] = v
+        monkeypatch.setattr(vg, "_rank", lambda _tp, r=rank: r)
+        for name, t in vg.hf_views_of_vllm(params, layout, hf, tp):
+            assert torch.equal(t, vg.expected_shard(name, sd[name], hf, tp, rank, per)), (name, rank)

@@ -184,11 +184,13 @@ class Trainer(Actor):
         from forge_core.episode import Episode
 
         t0 = time.perf_counter()
-        n = self.budget or 512
-        e = Episode(prompt_id="warm-up", group=0, target="", prompt_ids=[1] * (n // 2), response_ids=[1] * (n - n // 2),
-                    behaviour_logprobs=[0.0] * (n - n // 2), text="", policy_version=0)
+        n = min(self.budget or 512, self.spec.args.max_seq_len)  # documents of at most the RoPE table's length
+        k = max((self.budget or n) // n, 1)
+        eps = [Episode(prompt_id="warm-up", group=0, target="", prompt_ids=[1] * (n // 2),
+                       response_ids=[1] * (n - n // 2), behaviour_logprobs=[0.0] * (n - n // 2), text="",
+                       policy_version=0)] * k
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            lp = logprobs_of(self.model, [e], [0], n - n // 2, self.temperature, self.device, self.budget,
+            lp = logprobs_of(self.model, eps, list(range(k)), n - n // 2, self.temperature, self.device, self.budget,
                              self.t.logprob_chunk, self.select)
         (lp.sum() * 0.0).backward()
         self.opt.zero_grad(set_to_none=True)
@@ -314,6 +316,11 @@ class Trainer(Actor):
             group = self.sender.info(group_world, generation)
             self.sender.start(self.staging.flat, self.bucket_bytes)
         return self.staging.handle(self.version, rdma=rdma, group=group)
+
+    @endpoint
+    async def compile_time(self) -> float:
+        """Seconds ``torch.compile`` of the blocks took at start-up (0 without compile)."""
+        return self.compile_s
 
     @endpoint
     async def get_version(self) -> int:

@@ -49,19 +49,23 @@ def vllm_model_dir(model_name: str, max_len: int) -> str:
     return path
 
 
-def hf_views_of_vllm(params: dict, layout: list, hf: dict) -> list:
-    """``[(hf_name, tensor)]``: each published HF tensor located inside vLLM's (TP=1) parameters,
-    which fuse q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (rows, in that order).
-    Used for bit-for-bit checks against the trainer's buffer.
+def hf_views_of_vllm(params: dict, layout: list, hf: dict, tp: int = 1) -> list:
+    """``[(hf_name, tensor)]``: each published HF tensor's shard located inside one TP rank's vLLM
+    parameters, which fuse q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (rows, in that
+    order) and split them over ``tp`` ranks (see :func:`expected_shard`); a padded vocabulary is
+    cut to the real rows. Used for bit-for-bit checks against the trainer's buffer.
 
     Args:
-        params: vLLM's ``named_parameters()`` as a dict.
+        params: vLLM's ``named_parameters()`` of one rank, as a dict.
         layout: ``[(hf_name, shape, numel)]``.
         hf: the HF config fields (head counts, sizes).
+        tp: tensor-parallel degree.
     """
     D = hf["hidden_size"]
     hd = hf.get("head_dim") or D // hf["num_attention_heads"]
-    q, kv, I = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd, hf["intermediate_size"]
+    kvh = hf["num_key_value_heads"]
+    q, I = hf["num_attention_heads"] * hd // tp, hf["intermediate_size"] // tp
+    kv = kvh * hd // tp if kvh >= tp else hd
     fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
              "gate_proj": ("gate_up_proj", 0, I), "up_proj": ("gate_up_proj", I, 2 * I)}
     out = []
@@ -73,10 +77,41 @@ def hf_views_of_vllm(params: dict, layout: list, hf: dict) -> list:
             t = params[".".join(parts[:-2] + [target, parts[-1]])][a:b]
         else:
             t = params[name]
-            if tuple(t.shape) != tuple(shape):  # a padded vocabulary
-                t = t[:shape[0]]
+            if leaf in ("embed_tokens", "lm_head"):  # vocabulary rows: this rank's real ones
+                per = t.shape[0]
+                t = t[:max(0, min(per, shape[0] - _rank(tp) * per))]
         out.append((name, t))
     return out
+
+
+def _rank(tp: int) -> int:
+    if tp == 1:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def expected_shard(name: str, full, hf: dict, tp: int, rank: int, vocab_per_rank: int = 0):
+    """The part of HF tensor ``full`` (``name``) that TP rank ``rank`` of ``tp`` holds in vLLM:
+    rows of q/k/v (KV heads replicated when fewer than ``tp``), gate and up, and of the vocabulary
+    (``vocab_per_rank`` rows each); columns of o_proj and down_proj; norms whole (vLLM's
+    Column/RowParallelLinear, QKVParallelLinear and VocabParallelEmbedding)."""
+    if tp == 1:
+        return full
+    leaf = name.split(".")[-2]
+    hd = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kvh = hf["num_key_value_heads"]
+    if leaf in ("k_proj", "v_proj") and kvh < tp:
+        h = rank // (tp // kvh)
+        return full[h * hd:(h + 1) * hd]
+    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return full.chunk(tp, 0)[rank]
+    if leaf in ("o_proj", "down_proj"):
+        return full.chunk(tp, 1)[rank]
+    if leaf in ("embed_tokens", "lm_head"):
+        return full[rank * vocab_per_rank:(rank + 1) * vocab_per_rank]
+    return full
 
 
 def _load(model, handle, bucket_bytes):  # runs in every vLLM worker (picklable: module level)
@@ -89,6 +124,19 @@ def _digest(model, layout, hf):
     from forge_core.weight_sync import digest_of
 
     return digest_of(hf_views_of_vllm(dict(model.named_parameters()), layout, hf))
+
+
+def _mismatches(model, handle, hf, tp):  # runs in every vLLM worker: its shards vs the source bytes
+    import torch
+
+    from forge_core.weight_sync import layout_views, open_ipc
+
+    params = dict(model.named_parameters())
+    rank = _rank(tp)
+    per = params["model.embed_tokens.weight"].shape[0]
+    full = dict(layout_views(open_ipc(handle), handle.layout))
+    return [n for n, t in hf_views_of_vllm(params, handle.layout, hf, tp)
+            if not torch.equal(t, expected_shard(n, full[n], hf, tp, rank, per).to(t.device))]
 
 
 def _state_dict(model, layout, hf):
@@ -148,6 +196,7 @@ class VllmGenerator(Actor):
         self.awake = {"weights", "kv_cache"}
         self.lock = asyncio.Lock()
         self.layout: Optional[list] = None
+        self.handle: Optional[WeightHandle] = None
         self.bucket_bytes = int(bucket_mb) << 20
 
     # ---- sleep / wake (colocated mode) --------------------------------------------------------
@@ -201,48 +250,35 @@ class VllmGenerator(Actor):
             outs = self._generate(prompts, self._sampling(g.group_size, g.max_response_tokens))
             dt = time.perf_counter() - t0
             sleep_s = self._sleep()
-        eps = []
-        for i, (o, prob) in enumerate(zip(outs, problems)):
-            for c in o.outputs:
-                ids = list(c.token_ids)
-                lps = [pos[t].logprob for pos, t in zip(c.logprobs, ids)]
-                text = self.tok.decode([t for t in ids if t < len(self.tok)], skip_special_tokens=True)
-                eps.append(Episode(prompt_id=prob.id, group=i, target=prob.answer, prompt_ids=prompts[i],
-                                   response_ids=ids, behaviour_logprobs=lps, text=text, policy_version=self.version,
-                                   truncated=c.finish_reason == "length"))
+        eps = self._episodes(outs, prompts, problems)
         ntok = sum(len(e.response_ids) for e in eps)
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": wake_s, "sleep_s": sleep_s}
 
+    def _episodes(self, outs: list, prompts: list, problems: Optional[list] = None) -> list[Episode]:
+        eps = []
+        for i, o in enumerate(outs):
+            p = problems[i] if problems else None
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                text = self.tok.decode([t for t in ids if t < len(self.tok)], skip_special_tokens=True) if p else ""
+                eps.append(Episode(prompt_id=p.id if p else str(i), group=i, target=p.answer if p else "",
+                                   prompt_ids=prompts[i], response_ids=ids, text=text, policy_version=self.version,
+                                   behaviour_logprobs=[pos[t].logprob for pos, t in zip(c.logprobs, ids)],
+                                   truncated=c.finish_reason == "length"))
+        return eps
+
     @endpoint
-    async def bench_raw(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
-        """Raw ``LLM.generate`` on token-id prompts (no chat formatting, no episodes, no actor
-        message of results), ``ignore_eos``: the engine's own throughput, for the benchmark."""
+    async def bench(self, prompts: list[list[int]], n: int, max_tokens: int, episodes: bool = False) -> tuple:
+        """``LLM.generate`` on token-id prompts, ``ignore_eos`` (every sample runs ``max_tokens``),
+        for the benchmark: ``(episodes or None, {"s", "tokens", "tok_s"})``; ``episodes=False`` is
+        the engine's raw throughput, ``True`` adds this actor's episode path (time it from the caller)."""
         async with self.lock:
             self._wake(["weights", "kv_cache"])
             t0 = time.perf_counter()
             outs = self._generate(prompts, self._sampling(n, max_tokens, ignore_eos=True))
             dt = time.perf_counter() - t0
         ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"s": dt, "tokens": ntok, "tok_s": ntok / dt}
-
-    @endpoint
-    async def bench_actor(self, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[list[Episode], dict]:
-        """The same request as :meth:`bench_raw` through this actor's episode path (token ids,
-        logprob extraction, Episode objects returned over Monarch): time it from the caller."""
-        async with self.lock:
-            self._wake(["weights", "kv_cache"])
-            t0 = time.perf_counter()
-            outs = self._generate(prompts, self._sampling(n, max_tokens, ignore_eos=True))
-            dt = time.perf_counter() - t0
-        eps = []
-        for i, o in enumerate(outs):
-            for c in o.outputs:
-                ids = list(c.token_ids)
-                eps.append(Episode(prompt_id=str(i), group=i, target="", prompt_ids=prompts[i], response_ids=ids,
-                                   behaviour_logprobs=[pos[t].logprob for pos, t in zip(c.logprobs, ids)], text="",
-                                   policy_version=self.version, truncated=c.finish_reason == "length"))
-        ntok = sum(len(e.response_ids) for e in eps)
-        return eps, {"s": dt, "tokens": ntok, "tok_s": ntok / dt}
+        return (self._episodes(outs, prompts) if episodes else None), {"s": dt, "tokens": ntok, "tok_s": ntok / dt}
 
     # ---- weights ------------------------------------------------------------------------------
     @endpoint
@@ -262,7 +298,7 @@ class VllmGenerator(Actor):
             self.llm.reset_prefix_cache()
             dt = time.perf_counter() - t0
             self.version = handle.version
-            self.layout = handle.layout
+            self.layout, self.handle = handle.layout, handle
         return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9, "wake_s": wake_s,
                 "mode": ("staged_" if staged else "") + r["mode"]}
 
@@ -294,6 +330,16 @@ class VllmGenerator(Actor):
         async with self.lock:
             self._wake(["weights"])
             return self.llm.apply_model(lambda m, l=self.layout, h=self.hf: _digest(m, l, h))[0]
+
+    @endpoint
+    async def weights_match(self) -> list:
+        """HF tensor names whose shard in some TP rank differs, bit for bit, from the last loaded
+        handle's bytes (still in place, e.g. right after a sync): ``[]`` when every rank holds
+        exactly its share of the trainer's weights. Works for any TP degree."""
+        async with self.lock:
+            self._wake(["weights"])
+            per_rank = self.llm.apply_model(lambda m, h=self.handle, f=self.hf, t=self.tp: _mismatches(m, h, f, t))
+        return sorted({n for names in per_rank for n in names})
 
     @endpoint
     async def state_dict(self) -> dict:

@@ -1,0 +1,51 @@
+"""Summarize a run's metrics.jsonl: seconds per step (mean over the steps after the first ``--skip``),
+its parts, the weight sync, and the overlap efficiency (gen + ref + train) / step.
+
+    python -m benchmarks.summarize_run runs/<recipe>/<run>/metrics.jsonl [--skip 1] [--name label]
+
+Prints one JSON line (and a markdown row with ``--markdown``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+KEYS = ("step_s", "gen_s", "ref_s", "train_s", "wait_for_rollout_s", "weight_transfer_s", "weight_sync_exposed_s",
+        "weight_sync_s", "gen_tok_s", "train_tok_s", "reward_mean", "format_rate")
+
+
+def summarize(path: str, skip: int = 1) -> dict:
+    """Means of :data:`KEYS` over the steps after the first ``skip`` (start-up and compile),
+    ``overlap`` = (gen + ref + train) / step, and the step count."""
+    from forge_core.metrics import read_jsonl
+
+    rows = read_jsonl(path)
+    use = rows[skip:] or rows
+    out = {k: statistics.fmean(r.get(k, 0.0) for r in use) for k in KEYS}
+    out["overlap"] = (out["gen_s"] + out["ref_s"] + out["train_s"]) / max(out["step_s"], 1e-9)
+    out.update(steps=len(rows), measured_steps=len(use), startup_s=rows[0].get("startup_s", 0.0) if rows else 0.0,
+               restarts=sum(rows[-1].get(k, 0) for k in ("restarts_generator", "restarts_reward", "restarts_reference"))
+               if rows else 0)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("path")
+    p.add_argument("--skip", type=int, default=1)
+    p.add_argument("--name", default="")
+    p.add_argument("--markdown", action="store_true")
+    a = p.parse_args()
+    s = summarize(a.path, a.skip)
+    print(json.dumps(dict(s, name=a.name or a.path)))
+    if a.markdown:
+        print(f"| {a.name} | {s['step_s']:.1f} s | gen {s['gen_s']:.1f} | ref {s['ref_s']:.1f} | train {s['train_s']:.1f} | "
+              f"wait {s['wait_for_rollout_s']:.1f} | transfer {s['weight_transfer_s']:.2f} | exposed "
+              f"{s['weight_sync_exposed_s']:.3f} | overlap {s['overlap']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

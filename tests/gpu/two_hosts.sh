@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Two emulated hosts on one 2-GPU machine, as two Ethernet hosts: each "node" is the process a SLURM
+# or SkyPilot node runs (python -m launch.node --from sky, SKYPILOT_NODE_RANK/SKYPILOT_NODE_IPS set),
+# bound to its own loopback address (127.0.0.1, 127.0.0.2), with one GPU (CUDA_VISIBLE_DEVICES split)
+# and NCCL kept off shared memory, P2P and InfiniBand, so the weights cross the host boundary over
+# TCP sockets. Trainer + reference on node 0, the vLLM generator on node 1.
+#
+#   tests/gpu/two_hosts.sh loop     qwen3_1_7b shape, 6 steps, weight_sync.transport=auto (-> nccl), then =rdma
+#   tests/gpu/two_hosts.sh loop8b   the Llama-3.1-8B shape with 16 of its layers (llama3_8b_16l), 5 steps, auto
+#   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
+# Outputs (logs, metrics, summaries) go to $OUT (default /tmp/out). Needs the GPU extra installed,
+# GSM8K_DIR, and SmolLM2's tokenizer files in FORGE_CACHE (benchmarks/gpu.sh install does all that).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
+IPS=$'127.0.0.1\n127.0.0.2'
+PORT=${PORT:-26610}
+LAYOUT="layout.nodes=2 layout.gpus_per_node=1 layout.generator.host=1 layout.generator.replicas=1
+  layout.generator.tp=1 layout.trainer.host=0 layout.trainer.gpus=1 layout.reference.host=0 layout.reference.gpus=0
+  model.init=random max_staleness=1 checkpoint.every=0 output_dir=/tmp/runs trainer.tokens_per_micro_batch=16384"
+
+node() {  # rank gpu recipe overrides...
+  local rank=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu SKYPILOT_NODE_RANK=$rank SKYPILOT_NODE_IPS="$IPS" SKYPILOT_NUM_NODES=2 \
+    FORGE_MONARCH_PORT=$PORT timeout 560 python3 -m launch.node --from sky "$@"
+}
+
+loop() {  # name recipe overrides...
+  local name=$1 recipe=$2; shift 2
+  PORT=$((PORT + 1))
+  node 1 1 "$recipe" > "$OUT/$name.node1.log" 2>&1 &
+  local w=$!
+  node 0 0 "$recipe" $LAYOUT run_id="$name" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: node 0 exit $?"
+  kill $w 2>/dev/null; wait $w 2>/dev/null
+  grep -E "weight sync:|compile|activation" "$OUT/$name.log" | head -5
+  cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null &&
+    python3 -m benchmarks.summarize_run "$OUT/$name.metrics.jsonl" --skip 2 --name "$name" --markdown | tee -a "$OUT/summary.txt"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    loop)
+      loop hosts_nccl qwen3_1_7b steps=6 trainer.compile=true generator.gpu_memory_utilization=0.6
+      loop hosts_rdma qwen3_1_7b steps=6 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.transport=rdma ;;
+    loop8b)
+      loop hosts_8b llama3_8b model.name=llama3_8b_16l steps=5 generator.gpu_memory_utilization=0.6 \
+        trainer.tokens_per_micro_batch=8192 ;;
+    sync)
+      PORT=$((PORT + 1))
+      for r in 0 1; do CUDA_VISIBLE_DEVICES=$r python3 -m launch.bootstrap worker --host 127.0.0.$((r + 1)) --port $PORT \
+        > "$OUT/sync.worker$r.log" 2>&1 & done
+      timeout 560 python3 -m tests.gpu.sync_two_hosts --model llama3_8b --port $PORT --out "$OUT/sync_8b.json" \
+        2>&1 | tee "$OUT/sync.log" | grep "^{"
+      kill %1 %2 2>/dev/null; wait ;;
+  esac
+done
