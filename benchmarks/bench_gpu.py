@@ -10,7 +10,7 @@ Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
   back over Monarch) against raw ``LLM.generate`` in the same engine on the same prompts
   (``ignore_eos``: both produce exactly 16 x 8 x 1024 tokens).
 - ``scale``: generator tok/s over 1, 2, ... replicas of TP=1 (``--gpus`` of them) on the same
-  prompts (64 x 8 x 1024), groups spread by the controller's Dispatcher; the scaling efficiency;
+  prompts (32 x 8 x 1024), groups spread by the controller's Dispatcher; the scaling efficiency;
   and every ``--layouts`` entry ``RxT`` (R replicas of TP=T) on the same prompts (e.g. ``1x2,2x1``).
 - ``train``: our trainer's tokens/s on a batch of generated lengths (16 x 8 episodes, prompt +
   response tokens through forward and backward; packing, chunked logprobs, compile, AC as
@@ -117,7 +117,7 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list) -> None:
 
     G, R = cfg.generator.group_size, cfg.generator.max_response_tokens
 
-    async def measure(replicas: int, tp: int, subsets: list) -> list:
+    async def measure(replicas: int, tp: int, subsets: list, repeats: int = 2) -> list:
         c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": gpus}})
         slots = [Slot(0, list(range(i * tp, (i + 1) * tp))) for i in range(replicas)]
         plan = Plan(slots, Slot(0, [gpus]), Slot(0, [gpus]), False, gpus)  # generators only
@@ -125,7 +125,10 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list) -> None:
                                       for i, s in enumerate(slots)))
         try:
             await asyncio.gather(*(call(g.name, g.bench, prompts[:4], 2, 32) for g in gens))  # warm-up
-            return [max([await gen_rate(gens[:k], prompts, G, R) for _ in range(2)]) for k in subsets]
+            rates = [max([await gen_rate(gens[:k], prompts, G, R) for _ in range(repeats)]) for k in subsets]
+            if tp > 1:
+                await tp_weights_check(cfg, gens[0], tp)
+            return rates
         finally:
             for g in gens:
                 await g.stop(60)
@@ -138,37 +141,29 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list) -> None:
             f"{ts:,.0f} ({eff:.0%} scaling efficiency)", ">= 90% per added replica", replicas=k, tok_s=ts, efficiency=eff)
     for lay in layouts:
         r, t = (int(x) for x in lay.split("x"))
-        ts, tok = (await measure(r, t, [r]))[0]
+        ts, tok = (await measure(r, t, [r], 1))[0]
         row(f"generator tok/s, {r} replica(s) x TP={t} ({len(prompts)}x{G}x{R})", f"{ts:,.0f}", layout=lay, tok_s=ts)
 
 
-async def tp_weights_check(cfg, tp: int) -> None:
-    """One engine of TP=``tp`` loads a version from a buffer of random HF-layout weights on GPU 0
-    (this process plays the trainer), then every TP rank's shard is compared bit for bit."""
+async def tp_weights_check(cfg, g, tp: int) -> None:
+    """Engine ``g`` of TP=``tp`` loads a version from a buffer of random HF-layout weights on GPU 0
+    (this process plays the trainer); then every TP rank's shard is compared bit for bit."""
     import torch
-    from omegaconf import OmegaConf
 
     from forge_core import titan
-    from forge_core.layout import Plan, Slot
-    from forge_core.services import call, spawn_service
+    from forge_core.services import call
     from forge_core.weight_sync import StagingBuffer
 
-    c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": tp}, "generator": {"gpu_memory_utilization": 0.6}})
-    slot = Slot(0, list(range(tp)))
-    g = await spawn_service(c, "generator", slot, Plan([slot], Slot(0, [tp]), Slot(0, [tp]), False, tp))
-    try:
-        spec = titan.titan_model_args(cfg.model.name)
-        buf = StagingBuffer(titan.hf_layout(spec), torch.bfloat16, torch.device("cuda:0"))
-        torch.manual_seed(0)
-        buf.flat.normal_(0, 0.02)
-        h = buf.handle(1)
-        r = await call("generator", g.update_weights, h)
-        bad = await call("generator", g.weights_match)
-        row(f"TP={tp} engine loads {h.nbytes / 1e9:.1f} GB ({r['mode']}, {r['sync_s']:.3f} s); every rank's shard == "
-            f"the trainer's bytes", "bit-identical" if not bad else f"DIFFERENT: {bad[:3]}", "bitwise", tp=tp, ok=not bad)
-        del buf
-    finally:
-        await g.stop(60)
+    spec = titan.titan_model_args(cfg.model.name)
+    buf = StagingBuffer(titan.hf_layout(spec), torch.bfloat16, torch.device("cuda:0"))
+    torch.manual_seed(0)
+    buf.flat.normal_(0, 0.02)
+    h = buf.handle(1)
+    r = await call(g.name, g.update_weights, h)
+    bad = await call(g.name, g.weights_match)
+    row(f"TP={tp} engine loads {h.nbytes / 1e9:.1f} GB ({r['mode']}, {r['sync_s']:.3f} s); every rank's shard == "
+        f"the trainer's bytes", "bit-identical" if not bad else f"DIFFERENT: {bad[:3]}", "bitwise", tp=tp, ok=not bad)
+    buf.close()
 
 
 def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128) -> list:
@@ -324,9 +319,7 @@ async def bench(a) -> None:
     eps = await section_gen(cfg, prompts) if "gen" in secs else []
     if "scale" in secs:
         layouts = [x for x in a.layouts.split(",") if x]
-        await section_scale(cfg, prompts_of(cfg, 64), a.gpus, layouts)
-        for t in sorted({int(x.split("x")[1]) for x in layouts} - {1}):
-            await tp_weights_check(cfg, t)
+        await section_scale(cfg, prompts_of(cfg, 32), a.gpus, layouts)
     if "train" in secs:
         await section_train(cfg, eps, a.train_gpus)
     if "sync" in secs:
