@@ -192,7 +192,8 @@ def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128) -> list:
 
 def anchor(model: str, tokens: int, gpus: list, seq_len: int) -> dict:
     """:mod:`benchmarks.anchor` in a subprocess on ``gpus`` (torchrun over them when several)."""
-    cmd = [sys.executable, "-m", "benchmarks.anchor", "--model", model, "--tokens", str(tokens), "--seq-len", str(seq_len)]
+    cmd = [sys.executable, "-m", "benchmarks.anchor", "--model", model, "--tokens", str(tokens), "--seq-len", str(seq_len),
+           "--rows", "4"]
     if len(gpus) > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(gpus)}", "-m", "benchmarks.anchor",
                *cmd[3:]]

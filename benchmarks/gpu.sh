@@ -6,7 +6,8 @@
 #   check    python -m benchmarks.gpu_check on this machine's GPUs ($CHECK_ARGS)
 #   bench    python -m benchmarks.bench_gpu --model $BENCH_MODEL --gpus <all> $BENCH_ARGS
 #   run      a real GRPO run: python -m launch.local run $RUN_RECIPE $RUN_ARGS (run id $RUN_NAME), then its
-#            summary (benchmarks/summarize_run.py); KILL_AT=n kills the generator's process after step n
+#            summary (benchmarks/summarize_run.py); KILL_AT=n kills the generator's process KILL_DELAY (3) s
+#            after step n
 #   hosts    tests/gpu/two_hosts.sh $HOSTS (two emulated hosts, one GPU each)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 \
@@ -36,6 +37,7 @@ for stage in "$@"; do
       P=$!
       if [ -n "${KILL_AT:-}" ]; then
         until grep -q "\"step\": $KILL_AT," "/tmp/runs/$name/metrics.jsonl" 2>/dev/null || ! kill -0 $P 2>/dev/null; do sleep 1; done
+        sleep ${KILL_DELAY:-3}  # past the weight transfer that starts with each step, into generation
         G=$(python3 -c "import json; print(json.load(open('/tmp/runs/$name/actors.json'))['generator']['pid'])")
         echo "kill -9 generator pid $G after step $KILL_AT at $(date +%T)"; kill -9 "$G"
       fi

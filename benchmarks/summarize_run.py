@@ -16,13 +16,13 @@ KEYS = ("step_s", "gen_s", "ref_s", "train_s", "wait_for_rollout_s", "weight_tra
         "weight_sync_s", "gen_tok_s", "train_tok_s", "reward_mean", "format_rate")
 
 
-def summarize(path: str, skip: int = 1) -> dict:
-    """Means of :data:`KEYS` over the steps after the first ``skip`` (start-up and compile),
-    ``overlap`` = (gen + ref + train) / step, and the step count."""
+def summarize(path: str, skip: int = 1, until: int = 0) -> dict:
+    """Means of :data:`KEYS` over steps ``skip+1 .. until`` (``until`` 0: the last; the first steps
+    pay start-up and compile), ``overlap`` = (gen + ref + train) / step, and the step count."""
     from forge_core.metrics import read_jsonl
 
     rows = read_jsonl(path)
-    use = rows[skip:] or rows
+    use = [r for r in rows[skip:] if not until or r["step"] <= until] or rows
     out = {k: statistics.fmean(r.get(k, 0.0) for r in use) for k in KEYS}
     out["overlap"] = (out["gen_s"] + out["ref_s"] + out["train_s"]) / max(out["step_s"], 1e-9)
     out.update(steps=len(rows), measured_steps=len(use), startup_s=rows[0].get("startup_s", 0.0) if rows else 0.0,
@@ -35,10 +35,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("path")
     p.add_argument("--skip", type=int, default=1)
+    p.add_argument("--until", type=int, default=0, help="average steps up to this one (0: all)")
     p.add_argument("--name", default="")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args()
-    s = summarize(a.path, a.skip)
+    s = summarize(a.path, a.skip, a.until)
     print(json.dumps(dict(s, name=a.name or a.path)))
     if a.markdown:
         print(f"| {a.name} | {s['step_s']:.1f} s | gen {s['gen_s']:.1f} | ref {s['ref_s']:.1f} | train {s['train_s']:.1f} | "

@@ -5,7 +5,9 @@
 # and NCCL kept off shared memory, P2P and InfiniBand, so the weights cross the host boundary over
 # TCP sockets. Trainer + reference on node 0, the vLLM generator on node 1.
 #
-#   tests/gpu/two_hosts.sh loop     qwen3_1_7b shape, 6 steps, weight_sync.transport=auto (-> nccl), then =rdma
+#   tests/gpu/two_hosts.sh loop     qwen3_1_7b shape, 7 steps, weight_sync.transport=auto (-> nccl); KILL_AT=n
+#                                   kills the generator (on node 1) 3 s after step n: the run must recover
+#   tests/gpu/two_hosts.sh looprdma the same with weight_sync.transport=rdma
 #   tests/gpu/two_hosts.sh loop8b   the Llama-3.1-8B shape with 16 of its layers (llama3_8b_16l), 5 steps, auto
 #   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
 # Outputs (logs, metrics, summaries) go to $OUT (default /tmp/out). Needs the GPU extra installed,
@@ -30,20 +32,31 @@ loop() {  # name recipe overrides...
   PORT=$((PORT + 1))
   node 1 1 "$recipe" > "$OUT/$name.node1.log" 2>&1 &
   local w=$!
-  node 0 0 "$recipe" $LAYOUT run_id="$name" "$@" > "$OUT/$name.log" 2>&1
+  node 0 0 "$recipe" $LAYOUT run_id="$name" "$@" > "$OUT/$name.log" 2>&1 &
+  local c=$!
+  if [ -n "${KILL_AT:-}" ]; then
+    until grep -q "\"step\": $KILL_AT," "/tmp/runs/$name/metrics.jsonl" 2>/dev/null || ! kill -0 $c 2>/dev/null; do sleep 1; done
+    sleep 3
+    local g; g=$(python3 -c "import json; print(json.load(open('/tmp/runs/$name/actors.json'))['generator']['pid'])")
+    echo "$name: kill -9 generator pid $g (node 1) after step $KILL_AT at $(date +%T)"; kill -9 "$g"
+  fi
+  wait $c
   echo "$name: node 0 exit $?"
+  cat "/tmp/runs/$name/faults.jsonl" 2>/dev/null | cut -c1-400
   kill $w 2>/dev/null; wait $w 2>/dev/null
   grep -E "weight sync:|compile|activation" "$OUT/$name.log" | head -5
   cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null &&
-    python3 -m benchmarks.summarize_run "$OUT/$name.metrics.jsonl" --skip 2 --name "$name" --markdown | tee -a "$OUT/summary.txt"
+    python3 -m benchmarks.summarize_run "$OUT/$name.metrics.jsonl" --skip 2 --until "${KILL_AT:-0}" --name "$name" \
+      --markdown | tee -a "$OUT/summary.txt"
 }
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     loop)
-      loop hosts_nccl qwen3_1_7b steps=6 trainer.compile=true generator.gpu_memory_utilization=0.6
-      loop hosts_rdma qwen3_1_7b steps=6 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.transport=rdma ;;
+      loop hosts_nccl qwen3_1_7b steps=7 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.timeout_s=90 ;;
+    looprdma)
+      loop hosts_rdma qwen3_1_7b steps=5 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.transport=rdma ;;
     loop8b)
       loop hosts_8b llama3_8b model.name=llama3_8b_16l steps=5 generator.gpu_memory_utilization=0.6 \
         trainer.tokens_per_micro_batch=8192 ;;
