@@ -50,6 +50,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from launch.common import wait_port
+
 if TYPE_CHECKING:  # monarch is imported lazily: parsing host lists must not need it
     from monarch.actor import HostMesh
 
@@ -354,25 +356,6 @@ def start_worker_background(cluster: Cluster, *, python: str = sys.executable,
 # --------------------------------------------------------------------------- controller side
 
 
-async def _probe(host: str, port: int, deadline: float, interval_s: float = 0.25) -> bool:
-    """True once a TCP connection to host:port succeeds before ``deadline`` (monotonic s)."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                               timeout=min(2.0, left))
-            writer.close()
-            try:
-                await writer.wait_closed()
-            except OSError:
-                pass
-            return True
-        except (OSError, asyncio.TimeoutError):
-            await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
-
-
 def enable_tcp_transport(cluster: Cluster) -> str:
     """Make this process's Monarch client listen on TCP at the address that reaches the workers.
 
@@ -409,7 +392,7 @@ async def attach(cluster: Cluster, timeout_s: float = 120.0, *,
 
     deadline = time.monotonic() + timeout_s
     enable_tcp_transport(cluster)
-    up = await asyncio.gather(*(_probe(h, cluster.port, deadline) for h in cluster.hosts))
+    up = await asyncio.gather(*(wait_port(h, cluster.port, deadline) for h in cluster.hosts))
     missing = [f"{h}:{cluster.port}" for h, ok in zip(cluster.hosts, up) if not ok]
     if missing:
         live = [a for a, ok in zip(cluster.worker_addresses(), up) if ok]
