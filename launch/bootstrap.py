@@ -222,7 +222,9 @@ def local_ip_for(host: str) -> str:
 
 def _resolve_hosts(names: Sequence[str], node_rank: int) -> list[str]:
     """Resolve names to IPs; if this node's own name maps to loopback (Debian's 127.0.1.1
-    /etc/hosts line), replace it with the address this node uses to reach the others."""
+    /etc/hosts line) while another node's does not, replace it with the address this node uses
+    to reach that node. All-loopback lists (several nodes emulated on one machine, e.g.
+    127.0.0.1 and 127.0.0.2) are kept: each node binds its own listed address."""
     if not 0 <= node_rank < len(names):
         raise ValueError(f"node_rank {node_rank} outside 0..{len(names) - 1} for hosts {list(names)}")
     ips = [resolve(n) for n in names]
@@ -288,13 +290,11 @@ def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = No
 def worker_address(cluster: Cluster) -> str:
     """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials.
 
-    MY_IP is ``hosts[node_rank]`` when it is a non-loopback address, else the local address used
-    to reach another node. Raises OSError when that cannot be determined.
+    MY_IP is ``hosts[node_rank]`` resolved, except that a loopback address is replaced by the local
+    address used to reach a non-loopback node (see :func:`_resolve_hosts`). Raises OSError when a
+    host does not resolve or has no route.
     """
-    me = resolve(cluster.hosts[cluster.node_rank])
-    if _is_loopback(me) and cluster.num_nodes > 1:
-        me = local_ip_for(cluster.hosts[1 if cluster.node_rank == 0 else 0])
-    return f"tcp://{me}:{cluster.port}"
+    return f"tcp://{_resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]}:{cluster.port}"
 
 
 def run_worker(cluster: Cluster) -> None:
