@@ -311,6 +311,18 @@ def run_worker(cluster: Cluster) -> None:
     run_worker_loop_until_shutdown(address=worker_address(cluster), ca=TRUST_ALL)
 
 
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a worker process started by :func:`start_worker_background`: SIGTERM, then SIGKILL
+    after ``grace_s`` seconds; returns once it has exited (at once if it already had)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 try:  # resolved up front: the child between fork and exec must not import anything
     import ctypes
 
@@ -332,7 +344,7 @@ def start_worker_background(cluster: Cluster, *, python: str = sys.executable,
     The child runs ``python -m launch.bootstrap worker --host MY_IP --port PORT`` with the
     repository root on PYTHONPATH, gets SIGTERM when this process dies (PR_SET_PDEATHSIG) and
     writes to ``log_path`` (default: inherit stdout/stderr). It exits when the controller shuts
-    the mesh down; to abandon it, ``proc.terminate(); proc.wait()``. Returns at once (the worker
+    the mesh down; to abandon it, :func:`stop` it. Returns at once (the worker
     needs about 1-2 s to import Monarch; :func:`attach` waits for it).
     Raises OSError when the interpreter cannot be started.
     """

@@ -64,12 +64,7 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
               flush=True)
         return asyncio.run(_controller(cluster, cfg, out, attach_timeout_s))
     finally:
-        if worker.poll() is None:
-            worker.terminate()
-            try:
-                worker.wait(timeout=10)
-            except Exception:
-                worker.kill()
+        bootstrap.stop(worker)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
