@@ -59,6 +59,8 @@ clean:
 
 # ---- SLURM (launch/slurm.py through submitit; profiles in cluster/slurm/) and the local dev cluster
 # make slurm RECIPE=<name> [CLUSTER=dev|<profile>|path.yaml] [NODES=n] [DRY_RUN=1] [ARGS='overrides']
+# make slurm-cancel [JOB=<id>]   scancel, and delete the job's secrets file
+#                                (~/.cache/forge-recipes/slurm-secrets/<id>.json; a completed job deletes its own)
 CLUSTER ?= dev
 NODES ?=
 DRY_RUN ?=
