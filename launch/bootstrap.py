@@ -26,11 +26,9 @@ Facts about torchmonarch 0.7.0 this relies on (measured on two network-namespace
 - A per-host sub-mesh is ``mesh.slice(hosts=i)``; procs on it come from
   ``spawn_procs(per_host={"procs": n})`` and actors from ``procs.spawn(name, ActorClass)``.
 
-Command line (what a launcher runs on each node)::
-
-    python -m launch.bootstrap worker --host 10.0.0.2 [--port 26600]   # explicit address
-    python -m launch.bootstrap worker --from slurm|sky                 # address from the env
-    python -m launch.bootstrap show --from slurm|sky                   # print the Cluster (JSON)
+Command line: ``python -m launch.bootstrap worker --host IP [--port P]`` or ``worker --from
+slurm|sky`` (address from the launcher's environment) runs a worker; ``show --from slurm|sky``
+prints the Cluster as JSON.
 """
 
 from __future__ import annotations
@@ -137,52 +135,37 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return _expand_nodelist_py(nodelist)
 
 
-def _split_top_level(s: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in s:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in nodelist {s!r}")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in nodelist {s!r}")
-    parts.append(cur)
-    return [p for p in parts if p]
-
-
 def _expand_one(expr: str) -> list[str]:
+    """Expand the first bracket group of ``expr`` (``"a[1-2,07]b"``), recursively for the others."""
     m = re.search(r"\[([^\[\]]*)\]", expr)
     if not m:
         return [expr]
-    head, tail = expr[: m.start()], expr[m.end():]
     out = []
     for item in m.group(1).split(","):
-        if "-" in item:
-            lo, hi = item.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
-                raise ValueError(f"bad range {item!r} in {expr!r}")
-            width = len(lo)
-            values = [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
-        elif item.isdigit():
-            values = [item]
-        else:
+        lo, _, hi = item.partition("-")
+        hi = hi if "-" in item else lo
+        if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
             raise ValueError(f"bad item {item!r} in {expr!r}")
-        for v in values:
-            out.extend(_expand_one(head + v + tail))
+        for v in range(int(lo), int(hi) + 1):  # zero padding as in lo: 01-03 -> 01 02 03
+            out += _expand_one(expr[:m.start()] + str(v).zfill(len(lo)) + expr[m.end():])
     return out
 
 
 def _expand_nodelist_py(nodelist: str) -> list[str]:
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        hosts.extend(_expand_one(part))
+    """The built-in hostlist parser: split at top-level commas, expand each part's brackets.
+    Raises ValueError on unbalanced brackets or a bad range."""
+    hosts, depth, part = [], 0, ""
+    for ch in nodelist + ",":
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0:
+            raise ValueError(f"unbalanced ']' in nodelist {nodelist!r}")
+        if ch == "," and depth == 0:
+            hosts += _expand_one(part) if part else []
+            part = ""
+        else:
+            part += ch
+    if depth:
+        raise ValueError(f"unbalanced '[' in nodelist {nodelist!r}")
     return hosts
 
 
@@ -199,12 +182,9 @@ def resolve(host: str) -> str:
     Raises OSError (socket.gaierror) when the name does not resolve.
     """
     try:
-        ipaddress.IPv4Address(host)
-        return host
+        return str(ipaddress.IPv4Address(host))
     except ValueError:
-        pass
-    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-    return infos[0][4][0]
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
 
 
 def local_ip_for(host: str) -> str:
@@ -282,6 +262,9 @@ def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = No
     if n is not None and int(n) != len(ips):
         raise ValueError(f"SKYPILOT_NUM_NODES={n} but SKYPILOT_NODE_IPS lists {len(ips)} IPs")
     return Cluster(node_rank=rank, hosts=_resolve_hosts(ips, rank), port=_port_from_env(env, port))
+
+
+CLUSTER_FROM = {"slurm": cluster_from_slurm, "sky": cluster_from_sky}  # launcher name -> its Cluster
 
 
 # --------------------------------------------------------------------------- worker side
@@ -452,14 +435,6 @@ def host_slice(mesh: "HostMesh", i: int) -> "HostMesh":
 # --------------------------------------------------------------------------- CLI
 
 
-def _cluster_from(kind: str) -> Cluster:
-    if kind == "slurm":
-        return cluster_from_slurm()
-    if kind == "sky":
-        return cluster_from_sky()
-    raise ValueError(f"unknown launcher {kind!r}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``worker`` runs a worker (blocks), ``show`` prints the Cluster as JSON."""
     p = argparse.ArgumentParser(prog="python -m launch.bootstrap", description=__doc__.split("\n")[0])
@@ -473,10 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
     a = p.parse_args(argv)
     if a.cmd == "show":
-        print(json.dumps(asdict(_cluster_from(a.source))))
+        print(json.dumps(asdict(CLUSTER_FROM[a.source]())))
         return 0
     if a.source:
-        c = _cluster_from(a.source)
+        c = CLUSTER_FROM[a.source]()
         if a.port:
             c.port = a.port
     elif a.host:

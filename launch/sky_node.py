@@ -148,9 +148,8 @@ def resolve_recipe(nodes: int, gpus_per_node: int, overrides: Sequence[str] = ()
 
 def _task_env(env: MutableMapping[str, str]) -> None:
     """Normalise the task's secrets and logging switches in place."""
-    for k in SECRETS:  # the task file declares them empty so that --secret is optional
-        if k in env and not env[k]:
-            del env[k]
+    for k in [k for k in SECRETS if k in env and not env[k]]:  # declared empty: --secret is optional
+        del env[k]
     if env.get("WANDB_API_KEY") and not env.get("WANDB_MODE"):
         env["WANDB_MODE"] = "online"
     if not env.get("FORGE_RUN_ID") and env.get("SKYPILOT_TASK_ID"):

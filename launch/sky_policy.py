@@ -89,6 +89,7 @@ class RecipeFromTaskPath(sky.AdminPolicy):
 
     @classmethod
     def validate_and_mutate(cls, user_request: sky.UserRequest) -> sky.MutatedUserRequest:
+        """SkyPilot's hook: the request with ``FORGE_RECIPE`` set, or unchanged (see the class docstring)."""
         task = user_request.task
         unchanged = sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)
         envs = task.envs or {}
@@ -107,8 +108,7 @@ class RecipeFromTaskPath(sky.AdminPolicy):
                 f"recipe folder {folder} is not inside the task's workdir "
                 f"({workdir or 'none'}), so the cluster would not get its config.yaml: "
                 f"run sky launch from the repository root with the folder under recipes/")
-        gated = _gated_message(folder, task)
-        if gated:
+        if gated := _gated_message(folder, task):
             raise exceptions.UserRequestRejectedByPolicy(gated)
         task.update_envs({"FORGE_RECIPE": rel})
         print(f"[forge] recipe {rel} (from the task file {os.path.relpath(path)}): "

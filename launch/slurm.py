@@ -234,8 +234,7 @@ class NodeTask:
         env = submitit.JobEnvironment()
         os.environ["FORGE_RUN_ID"] = str(env.job_id)  # kept across requeues: resume finds the run
         print(f"[slurm] {env}; restarts so far: {os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
-        names = load_secrets(str(env.job_id))
-        if names:  # names only, never values
+        if names := load_secrets(str(env.job_id)):  # log the names only, never a value
             print(f"[slurm] node {env.node}: {', '.join(names)} set from ${SECRETS_ENV}", flush=True)
         if threading.current_thread() is threading.main_thread():
             self._watch_sigterm()
