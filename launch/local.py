@@ -23,10 +23,6 @@ class PreflightError(RuntimeError):
     """The recipe cannot run here; the message lists every reason."""
 
 
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    return os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, timeout_s)
-
-
 def preflight(cfg: Any) -> None:
     """Fail fast, naming every reason, if the recipe cannot run on this machine.
 
@@ -48,7 +44,7 @@ def preflight(cfg: Any) -> None:
             reasons.append(f"recipe {cfg.recipe} needs device=cuda with {need} GPU(s) per node "
                            f"(layout: {cfg.layout.nodes} node(s)); this machine has {have}")
     spec = spec_of(cfg.model.name)
-    hub = functools.cache(_hub_reachable)  # asked once, and only when needed
+    hub = functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
     if spec.source == "hf" and spec.config is None and not (cfg.model.init == "random" and spec.arch):
         path = cfg.model.path or spec.path
         if not os.path.isdir(path):

@@ -258,13 +258,17 @@ class NodeTask:
             raise
 
     def checkpoint(self, *args: Any, **kwargs: Any):
-        """submitit: called on rank 0 before the requeue; resubmit the same task."""
+        """submitit: called on rank 0 before the requeue; resubmit the same task. In a job, this
+        process and the ``scontrol requeue`` it starts next ignore SIGTERM from here on: the kill that
+        comes with the requeue (or a preemption) would cut scontrol off mid-request (seen on the
+        dev cluster: no requeue, or no result); SLURM's SIGKILL after KillWait still ends them."""
         import submitit
 
+        if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited across exec, unlike a handler
         print("[slurm] checkpoint(): requeueing; the job resumes from the run's newest checkpoint",
               file=sys.stderr, flush=True)
-        return submitit.helpers.DelayedSubmission(NodeTask(self.recipe, self.overrides, self.attach_timeout_s,
-                                                           self.preempt_grace_s))
+        return submitit.helpers.DelayedSubmission(self)  # pickled without the SIGTERM time
 
 
 # --------------------------------------------------------------------------- secrets

@@ -369,6 +369,7 @@ def test_secrets_reach_the_nodes_but_no_slurm_state_and_no_file(two_node_run, wo
     req = work / "requeue.json"
     scans += [tuple(json.loads(req.read_text())["scan_running"])] if req.is_file() else []
     scanned, leaks = sum(n for n, _ in scans), [x for _, lk in scans for x in lk]
-    print(f"\n[secrets] scanned {scanned} files (SLURM state while running and after, job folders, Monarch log): "
-          f"{len(set(leaks))} hold a secret's value")
+    print(f"\n[secrets] scanned {scanned} files (SLURM state: {scans[0][0]} while the 2-node job ran"
+          f"{f', {scans[3][0]} while the requeued one ran' if len(scans) > 3 else ''}, {scans[1][0]} after; "
+          f"job folders and Monarch log: {scans[2][0]}): {len(set(leaks))} hold a secret's value")
     assert not leaks, leaks
