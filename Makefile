@@ -59,6 +59,8 @@ clean:
 
 # ---- SLURM (launch/slurm.py through submitit; profiles in cluster/slurm/) and the local dev cluster
 # make slurm RECIPE=<name> [CLUSTER=dev|<profile>|path.yaml] [NODES=n] [DRY_RUN=1] [ARGS='overrides']
+# make slurm-cancel [JOB=<id>]   scancel, and delete the job's secrets file
+#                                (~/.cache/forge-recipes/slurm-secrets/<id>.json; a completed job deletes its own)
 CLUSTER ?= dev
 NODES ?=
 DRY_RUN ?=
@@ -85,7 +87,8 @@ dev-cluster:
 dev-cluster-down:
 	$(SUDO) cluster/dev/down.sh
 
-# ---- SkyPilot (launch/sky.py; task files recipes/<name>/sky.yaml; run from the repository root)
+# ---- SkyPilot (client: launch/sky.py; what the task runs on its nodes: launch/sky_node.py;
+#      task files recipes/<name>/sky.yaml; run from the repository root)
 # make sky RECIPE=<name> [CLUSTER_NAME=forge-<name>] [CKPT_BUCKET=<bucket>|s3://..|gs://..] [MANAGED=1]
 #          [DRY_RUN=1] [ARGS='overrides']   sky launch (or sky jobs launch), --secret for each of
 #                                           HF_TOKEN / WANDB_API_KEY set here; DRY_RUN prints the task

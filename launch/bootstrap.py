@@ -26,11 +26,9 @@ Facts about torchmonarch 0.7.0 this relies on (measured on two network-namespace
 - A per-host sub-mesh is ``mesh.slice(hosts=i)``; procs on it come from
   ``spawn_procs(per_host={"procs": n})`` and actors from ``procs.spawn(name, ActorClass)``.
 
-Command line (what a launcher runs on each node)::
-
-    python -m launch.bootstrap worker --host 10.0.0.2 [--port 26600]   # explicit address
-    python -m launch.bootstrap worker --from slurm|sky                 # address from the env
-    python -m launch.bootstrap show --from slurm|sky                   # print the Cluster (JSON)
+Command line: ``python -m launch.bootstrap worker --host IP [--port P]`` or ``worker --from
+slurm|sky`` (address from the launcher's environment) runs a worker; ``show --from slurm|sky``
+prints the Cluster as JSON.
 """
 
 from __future__ import annotations
@@ -49,6 +47,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
+
+from launch.common import wait_port
 
 if TYPE_CHECKING:  # monarch is imported lazily: parsing host lists must not need it
     from monarch.actor import HostMesh
@@ -135,52 +135,37 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return _expand_nodelist_py(nodelist)
 
 
-def _split_top_level(s: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in s:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in nodelist {s!r}")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in nodelist {s!r}")
-    parts.append(cur)
-    return [p for p in parts if p]
-
-
 def _expand_one(expr: str) -> list[str]:
+    """Expand the first bracket group of ``expr`` (``"a[1-2,07]b"``), recursively for the others."""
     m = re.search(r"\[([^\[\]]*)\]", expr)
     if not m:
         return [expr]
-    head, tail = expr[: m.start()], expr[m.end():]
     out = []
     for item in m.group(1).split(","):
-        if "-" in item:
-            lo, hi = item.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
-                raise ValueError(f"bad range {item!r} in {expr!r}")
-            width = len(lo)
-            values = [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
-        elif item.isdigit():
-            values = [item]
-        else:
+        lo, _, hi = item.partition("-")
+        hi = hi if "-" in item else lo
+        if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
             raise ValueError(f"bad item {item!r} in {expr!r}")
-        for v in values:
-            out.extend(_expand_one(head + v + tail))
+        for v in range(int(lo), int(hi) + 1):  # zero padding as in lo: 01-03 -> 01 02 03
+            out += _expand_one(expr[:m.start()] + str(v).zfill(len(lo)) + expr[m.end():])
     return out
 
 
 def _expand_nodelist_py(nodelist: str) -> list[str]:
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        hosts.extend(_expand_one(part))
+    """The built-in hostlist parser: split at top-level commas, expand each part's brackets.
+    Raises ValueError on unbalanced brackets or a bad range."""
+    hosts, depth, part = [], 0, ""
+    for ch in nodelist + ",":
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0:
+            raise ValueError(f"unbalanced ']' in nodelist {nodelist!r}")
+        if ch == "," and depth == 0:
+            hosts += _expand_one(part) if part else []
+            part = ""
+        else:
+            part += ch
+    if depth:
+        raise ValueError(f"unbalanced '[' in nodelist {nodelist!r}")
     return hosts
 
 
@@ -197,12 +182,9 @@ def resolve(host: str) -> str:
     Raises OSError (socket.gaierror) when the name does not resolve.
     """
     try:
-        ipaddress.IPv4Address(host)
-        return host
+        return str(ipaddress.IPv4Address(host))
     except ValueError:
-        pass
-    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-    return infos[0][4][0]
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
 
 
 def local_ip_for(host: str) -> str:
@@ -220,7 +202,9 @@ def local_ip_for(host: str) -> str:
 
 def _resolve_hosts(names: Sequence[str], node_rank: int) -> list[str]:
     """Resolve names to IPs; if this node's own name maps to loopback (Debian's 127.0.1.1
-    /etc/hosts line), replace it with the address this node uses to reach the others."""
+    /etc/hosts line) while another node's does not, replace it with the address this node uses
+    to reach that node. All-loopback lists (several nodes emulated on one machine, e.g.
+    127.0.0.1 and 127.0.0.2) are kept: each node binds its own listed address."""
     if not 0 <= node_rank < len(names):
         raise ValueError(f"node_rank {node_rank} outside 0..{len(names) - 1} for hosts {list(names)}")
     ips = [resolve(n) for n in names]
@@ -280,19 +264,20 @@ def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = No
     return Cluster(node_rank=rank, hosts=_resolve_hosts(ips, rank), port=_port_from_env(env, port))
 
 
+CLUSTER_FROM = {"slurm": cluster_from_slurm, "sky": cluster_from_sky}  # launcher name -> its Cluster
+
+
 # --------------------------------------------------------------------------- worker side
 
 
 def worker_address(cluster: Cluster) -> str:
     """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials.
 
-    MY_IP is ``hosts[node_rank]`` when it is a non-loopback address, else the local address used
-    to reach another node. Raises OSError when that cannot be determined.
+    MY_IP is ``hosts[node_rank]`` resolved, except that a loopback address is replaced by the local
+    address used to reach a non-loopback node (see :func:`_resolve_hosts`). Raises OSError when a
+    host does not resolve or has no route.
     """
-    me = resolve(cluster.hosts[cluster.node_rank])
-    if _is_loopback(me) and cluster.num_nodes > 1:
-        me = local_ip_for(cluster.hosts[1 if cluster.node_rank == 0 else 0])
-    return f"tcp://{me}:{cluster.port}"
+    return f"tcp://{_resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]}:{cluster.port}"
 
 
 def run_worker(cluster: Cluster) -> None:
@@ -307,6 +292,18 @@ def run_worker(cluster: Cluster) -> None:
     from monarch.actor import run_worker_loop_until_shutdown
 
     run_worker_loop_until_shutdown(address=worker_address(cluster), ca=TRUST_ALL)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a worker process started by :func:`start_worker_background`: SIGTERM, then SIGKILL
+    after ``grace_s`` seconds; returns once it has exited (at once if it already had)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 try:  # resolved up front: the child between fork and exec must not import anything
@@ -330,7 +327,7 @@ def start_worker_background(cluster: Cluster, *, python: str = sys.executable,
     The child runs ``python -m launch.bootstrap worker --host MY_IP --port PORT`` with the
     repository root on PYTHONPATH, gets SIGTERM when this process dies (PR_SET_PDEATHSIG) and
     writes to ``log_path`` (default: inherit stdout/stderr). It exits when the controller shuts
-    the mesh down; to abandon it, ``proc.terminate(); proc.wait()``. Returns at once (the worker
+    the mesh down; to abandon it, :func:`stop` it. Returns at once (the worker
     needs about 1-2 s to import Monarch; :func:`attach` waits for it).
     Raises OSError when the interpreter cannot be started.
     """
@@ -352,25 +349,6 @@ def start_worker_background(cluster: Cluster, *, python: str = sys.executable,
 
 
 # --------------------------------------------------------------------------- controller side
-
-
-async def _probe(host: str, port: int, deadline: float, interval_s: float = 0.25) -> bool:
-    """True once a TCP connection to host:port succeeds before ``deadline`` (monotonic s)."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                               timeout=min(2.0, left))
-            writer.close()
-            try:
-                await writer.wait_closed()
-            except OSError:
-                pass
-            return True
-        except (OSError, asyncio.TimeoutError):
-            await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
 
 def enable_tcp_transport(cluster: Cluster) -> str:
@@ -409,7 +387,7 @@ async def attach(cluster: Cluster, timeout_s: float = 120.0, *,
 
     deadline = time.monotonic() + timeout_s
     enable_tcp_transport(cluster)
-    up = await asyncio.gather(*(_probe(h, cluster.port, deadline) for h in cluster.hosts))
+    up = await asyncio.gather(*(wait_port(h, cluster.port, deadline) for h in cluster.hosts))
     missing = [f"{h}:{cluster.port}" for h, ok in zip(cluster.hosts, up) if not ok]
     if missing:
         live = [a for a, ok in zip(cluster.worker_addresses(), up) if ok]
@@ -457,14 +435,6 @@ def host_slice(mesh: "HostMesh", i: int) -> "HostMesh":
 # --------------------------------------------------------------------------- CLI
 
 
-def _cluster_from(kind: str) -> Cluster:
-    if kind == "slurm":
-        return cluster_from_slurm()
-    if kind == "sky":
-        return cluster_from_sky()
-    raise ValueError(f"unknown launcher {kind!r}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``worker`` runs a worker (blocks), ``show`` prints the Cluster as JSON."""
     p = argparse.ArgumentParser(prog="python -m launch.bootstrap", description=__doc__.split("\n")[0])
@@ -478,10 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
     a = p.parse_args(argv)
     if a.cmd == "show":
-        print(json.dumps(asdict(_cluster_from(a.source))))
+        print(json.dumps(asdict(CLUSTER_FROM[a.source]())))
         return 0
     if a.source:
-        c = _cluster_from(a.source)
+        c = CLUSTER_FROM[a.source]()
         if a.port:
             c.port = a.port
     elif a.host:

@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any, Optional, Sequence
 
+from launch.common import port_open
+
 
 class PreflightError(RuntimeError):
     """The recipe cannot run here; the message lists every reason."""
-
-
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        with socket.create_connection(("huggingface.co", 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def preflight(cfg: Any) -> None:
@@ -42,7 +34,7 @@ def preflight(cfg: Any) -> None:
     """
     import torch
 
-    from forge_core.models import spec_of
+    from forge_core.models import gated_without_token, spec_of
 
     reasons = []
     if cfg.device == "cuda":
@@ -52,21 +44,18 @@ def preflight(cfg: Any) -> None:
             reasons.append(f"recipe {cfg.recipe} needs device=cuda with {need} GPU(s) per node "
                            f"(layout: {cfg.layout.nodes} node(s)); this machine has {have}")
     spec = spec_of(cfg.model.name)
-    hub = None
+    hub = functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
     if spec.source == "hf" and spec.config is None and not (cfg.model.init == "random" and spec.arch):
         path = cfg.model.path or spec.path
         if not os.path.isdir(path):
-            if spec.gated and not os.environ.get("HF_TOKEN"):
-                reasons.append(f"model {path} is gated: set HF_TOKEN (SkyPilot: --secret HF_TOKEN)")
-            hub = _hub_reachable()
-            if not hub:
+            if gated := gated_without_token(cfg.model):
+                reasons.append(gated)
+            if not hub():
                 reasons.append(f"model weights {path} come from the HF hub, which is not reachable from here: "
                                f"set model.path=/local/copy, or model.init=random for same-shape random weights "
                                f"(the config still needs the hub or a local copy)")
     if not cfg.data.dir:
-        if hub is None:
-            hub = _hub_reachable()
-        if not hub:
+        if not hub():
             reasons.append(f"GSM8K comes from the HF hub ({cfg.data.hub_id}), which is not reachable: "
                            f"set GSM8K_DIR=/path/to/gsm8k or data.dir=... (train.jsonl, test.jsonl)")
     elif not os.path.isdir(cfg.data.dir):

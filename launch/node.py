@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from typing import Optional, Sequence
@@ -26,10 +27,8 @@ async def _controller(cluster: bootstrap.Cluster, cfg, out: str, timeout_s: floa
     try:
         return await Controller(cfg, out, hosts=mesh).run()
     finally:
-        try:
+        with contextlib.suppress(Exception):
             await mesh.shutdown()
-        except Exception:
-            pass
 
 
 def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_s: float) -> Optional[dict]:
@@ -42,7 +41,7 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
         ConfigError / PreflightError: bad recipe, or ``layout.nodes`` != the allocation's nodes.
         bootstrap.WorkerUnreachable: a worker was not up within the timeout (names its address).
     """
-    cluster = bootstrap.cluster_from_slurm() if source == "slurm" else bootstrap.cluster_from_sky()
+    cluster = bootstrap.CLUSTER_FROM[source]()
     if not cluster.is_controller:
         print(f"[node] worker {bootstrap.worker_address(cluster)} (node {cluster.node_rank}/{cluster.num_nodes})",
               flush=True)
@@ -64,12 +63,7 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
               flush=True)
         return asyncio.run(_controller(cluster, cfg, out, attach_timeout_s))
     finally:
-        if worker.poll() is None:
-            worker.terminate()
-            try:
-                worker.wait(timeout=10)
-            except Exception:
-                worker.kill()
+        bootstrap.stop(worker)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,12 +1,9 @@
 """Client-side SkyPilot admin policy: a task file's folder is its recipe.
 
-SkyPilot 0.14.1 sends the cluster a task file's *contents*, never its path, so an unchanged copy
-(``cp -r recipes/qwen3_1_7b recipes/my_exp``) has nothing on the cluster that tells it apart from
-its original. The path is only known on the machine that runs ``sky launch``. This policy runs
-there: the repository's project config ``.sky.yaml`` (SkyPilot reads it from the current
-directory) names it, and SkyPilot applies a client-side policy to every ``sky launch``,
-``sky exec`` and ``sky jobs launch`` before the request leaves the client, then strips the policy
-from the config it sends, so no API server ever imports this module.
+A task file's path is only known where ``sky launch`` runs (why that matters: the decision in
+:mod:`launch.sky_node`). The project config ``.sky.yaml`` names this policy; SkyPilot applies it to
+every ``sky launch``, ``sky exec`` and ``sky jobs launch`` before the request leaves the client and
+strips it from the config it sends, so no API server ever imports this module.
 
 What it does, for a task whose ``FORGE_RECIPE`` is empty (an explicit ``--env FORGE_RECIPE=x``,
 or ``make sky``, always wins):
@@ -22,7 +19,7 @@ or ``make sky``, always wins):
 
 Tasks that are not launched from a file in a recipe folder (other projects' tasks, the Python
 API, ``make sky``'s derived files) pass through unchanged; the cluster side then falls back to the
-layout match in :func:`launch.sky.resolve_recipe`.
+layout match in :func:`launch.sky_node.resolve_recipe`.
 
 Imports only the standard library and SkyPilot at module level, so any Python that has SkyPilot
 and this repository on its path (``make venv``; or ``pip install --no-deps -e .``) can load it.
@@ -65,15 +62,11 @@ def task_file_from_argv(argv: Sequence[str], run: Optional[str]) -> Optional[str
 
 
 def _gated_message(folder: str, task) -> Optional[str]:
-    """launch.sky.gated_without_token for the recipe folder, with the task's secrets as the env.
-
-    None when the recipe is not gated, when the token is given, or when the project's own
-    dependencies (Hydra, the model registry) are not importable in this Python: the cluster's
-    setup check then catches a missing token instead.
-    """
+    """forge_core.models.gated_without_token for the recipe's model, the task's secrets as the env;
+    None also when the project's dependencies are not importable here (the cluster then checks)."""
     try:
         from forge_core.config import ConfigError, load_config
-        from launch.sky import gated_without_token
+        from forge_core.models import gated_without_token
     except ImportError:
         return None
     forge_args = (task.envs or {}).get("FORGE_ARGS", "")
@@ -83,7 +76,7 @@ def _gated_message(folder: str, task) -> Optional[str]:
         return None  # the cluster's check names the bad key; this policy only adds the path
     secrets = {k: str(v.get_secret_value() if hasattr(v, "get_secret_value") else v)
                for k, v in (task.secrets or {}).items() if v}
-    return gated_without_token(cfg, secrets)
+    return gated_without_token(cfg.model, secrets)
 
 
 class RecipeFromTaskPath(sky.AdminPolicy):
@@ -96,6 +89,7 @@ class RecipeFromTaskPath(sky.AdminPolicy):
 
     @classmethod
     def validate_and_mutate(cls, user_request: sky.UserRequest) -> sky.MutatedUserRequest:
+        """SkyPilot's hook: the request with ``FORGE_RECIPE`` set, or unchanged (see the class docstring)."""
         task = user_request.task
         unchanged = sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)
         envs = task.envs or {}
@@ -114,8 +108,7 @@ class RecipeFromTaskPath(sky.AdminPolicy):
                 f"recipe folder {folder} is not inside the task's workdir "
                 f"({workdir or 'none'}), so the cluster would not get its config.yaml: "
                 f"run sky launch from the repository root with the folder under recipes/")
-        gated = _gated_message(folder, task)
-        if gated:
+        if gated := _gated_message(folder, task):
             raise exceptions.UserRequestRejectedByPolicy(gated)
         task.update_envs({"FORGE_RECIPE": rel})
         print(f"[forge] recipe {rel} (from the task file {os.path.relpath(path)}): "

@@ -31,9 +31,14 @@ Failures end the allocation: srun runs with ``--kill-on-bad-exit=1``, so when ra
 example a worker that never comes up within ``attach_timeout_s``, named in the error) the other
 tasks are killed and the job ends; nothing waits for the time limit.
 
-Secrets (``HF_TOKEN``, ``WANDB_API_KEY``) reach the job only through its environment (sbatch
-exports the submitting environment); they are never written into the sbatch script, submitit's
-pickles, the config or the metrics. Submission refuses to go on if a secret's value would.
+Secrets (:data:`launch.common.SECRETS`) never enter SLURM's state: sbatch runs without them, with
+``--export`` naming the other variables, and :func:`submit` writes them to :func:`secrets_file`
+(``~/.cache/forge-recipes/slurm-secrets/<job id>.json``, 0600 in a 0700 directory; home must be
+shared with the nodes), which every node's :class:`NodeTask` reads at start, also after a requeue.
+The file goes when the job completes and with ``make slurm-cancel``; a job that fails, runs out of
+requeues or is ``scancel``-ed directly leaves it until ``make slurm-cancel JOB=<id>``. No value is
+written into the sbatch script, submitit's pickles, the config, metrics or logs; submission refuses
+if a value would be.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -52,13 +58,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, MutableMapping, Optional, Sequence
+
+from launch.common import SECRETS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE_DIR = ROOT / "cluster" / "slurm"
 LAST_JOB = Path(os.environ.get("FORGE_SLURM_LAST_JOB", ROOT / "runs" / "slurm_last_job.json"))
-SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
-HANG_ENV = "FORGE_TEST_HANG_NODES"  # fault injection for tests: these node ranks never start a worker
+SECRETS_ENV = "FORGE_SLURM_SECRETS"  # exported: the directory of the jobs' secrets files
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # an environment variable sbatch can --export
 
 
 class SlurmError(RuntimeError):
@@ -160,22 +168,16 @@ def load_profile(name: str) -> tuple[Profile, Path]:
 
 def cluster_partitions() -> Optional[list[str]]:
     """The partitions slurmctld reports (``sinfo``), or ``None`` when SLURM cannot be asked."""
-    if not shutil.which("sinfo"):
-        return None
     try:
         p = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError):  # no sinfo here, or it hangs
         return None
-    if p.returncode != 0:
-        return None
-    return sorted({line.strip() for line in p.stdout.splitlines() if line.strip()})
+    return sorted({line.strip() for line in p.stdout.splitlines() if line.strip()}) if p.returncode == 0 else None
 
 
 def check_partition(prof: Profile, path: Path, partitions: Optional[list[str]]) -> None:
     """Raise SlurmError naming the partition when the cluster does not have it."""
-    if prof.partition is None or partitions is None:
-        return
-    if prof.partition not in partitions:
+    if prof.partition is not None and partitions is not None and prof.partition not in partitions:
         raise SlurmError(f"partition {prof.partition!r} (from {path}) does not exist on this cluster; "
                          f"partitions: {', '.join(partitions) or 'none'}")
 
@@ -232,14 +234,15 @@ class NodeTask:
         env = submitit.JobEnvironment()
         os.environ["FORGE_RUN_ID"] = str(env.job_id)  # kept across requeues: resume finds the run
         print(f"[slurm] {env}; restarts so far: {os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
-        if str(env.node) in os.environ.get(HANG_ENV, "").split(","):
-            print(f"[slurm] {HANG_ENV}: node {env.node} never starts its worker (test fault)", flush=True)
-            while True:
-                time.sleep(3600)
+        if names := load_secrets(str(env.job_id)):  # log the names only, never a value
+            print(f"[slurm] node {env.node}: {', '.join(names)} set from ${SECRETS_ENV}", flush=True)
         if threading.current_thread() is threading.main_thread():
             self._watch_sigterm()
         try:
-            return run_node("slurm", self.recipe, self.overrides, self.attach_timeout_s)
+            result = run_node("slurm", self.recipe, self.overrides, self.attach_timeout_s)
+            if env.global_rank == 0:  # the job is done: no requeue will read the secrets again
+                secrets_file(str(env.job_id), os.environ).unlink(missing_ok=True)
+            return result
         except Exception as e:
             print(f"[slurm] error on node {env.node}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self._signalled_at is not None and env.global_rank == 0:
@@ -248,22 +251,58 @@ class NodeTask:
                 # so no error result is recorded for a job that is being requeued.
                 print(f"[slurm] {type(e).__name__} after SIGTERM; waiting up to {self.preempt_grace_s:g} s "
                       f"for the requeue", file=sys.stderr, flush=True)
-                deadline = time.monotonic() + self.preempt_grace_s
-                while time.monotonic() < deadline:
-                    time.sleep(1)
+                time.sleep(self.preempt_grace_s)  # signal handlers run meanwhile
             elif env.global_rank == 0:
                 print("[slurm] the job ends now: srun --kill-on-bad-exit stops the other nodes' tasks",
                       file=sys.stderr, flush=True)
             raise
 
     def checkpoint(self, *args: Any, **kwargs: Any):
-        """submitit: called on rank 0 before the requeue; resubmit the same task."""
+        """submitit: called on rank 0 before the requeue; resubmit the same task. In a job, this
+        process and the ``scontrol requeue`` it starts next ignore SIGTERM from here on: the kill that
+        comes with the requeue (or a preemption) would cut scontrol off mid-request (seen on the
+        dev cluster: no requeue, or no result); SLURM's SIGKILL after KillWait still ends them."""
         import submitit
 
+        if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited across exec, unlike a handler
         print("[slurm] checkpoint(): requeueing; the job resumes from the run's newest checkpoint",
               file=sys.stderr, flush=True)
-        return submitit.helpers.DelayedSubmission(NodeTask(self.recipe, self.overrides, self.attach_timeout_s,
-                                                           self.preempt_grace_s))
+        return submitit.helpers.DelayedSubmission(self)  # pickled without the SIGTERM time
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def secrets_file(job_id: str, env: Optional[Mapping[str, str]] = None) -> Path:
+    """The job's secrets file ``DIR/<job_id>.json``: DIR is ``$FORGE_SLURM_SECRETS`` of ``env`` (on a
+    node: what submit exported), else ``~/.cache/forge-recipes/slurm-secrets`` (mode 0700)."""
+    return Path((env or {}).get(SECRETS_ENV) or Path.home() / ".cache/forge-recipes/slurm-secrets") / f"{job_id}.json"
+
+
+def load_secrets(job_id: str, env: Optional[MutableMapping[str, str]] = None) -> list[str]:
+    """On a node: read the job's secrets file into ``env`` (default ``os.environ``) when submit exported
+    ``$FORGE_SLURM_SECRETS``; returns the names set. Raises SlurmError naming the file when it is unreadable."""
+    env = os.environ if env is None else env
+    if not env.get(SECRETS_ENV):
+        return []
+    path = secrets_file(job_id, env)
+    try:
+        values = {k: v for k, v in json.loads(path.read_text()).items() if k in SECRETS}
+    except (OSError, ValueError) as e:
+        raise SlurmError(f"cannot read the job's secrets file {path} (${SECRETS_ENV}): {type(e).__name__}; make "
+                         f"slurm-cancel removes it, and the nodes must share the submitting host's home") from None
+    env.update(values)
+    return sorted(values)
+
+
+def assert_no_secrets(what: str, text: str) -> None:
+    """Raise SlurmError if ``text`` contains the value (6 characters or more) of a secret variable."""
+    for name in SECRETS:
+        if len(value := os.environ.get(name, "")) >= 6 and value in text:
+            raise SlurmError(f"the value of ${name} would be written into {what}; pass secrets only through "
+                             f"the environment (they reach the job through its secrets file), never in "
+                             f"overrides or setup lines")
 
 
 # --------------------------------------------------------------------------- the job
@@ -277,28 +316,22 @@ class JobSpec:
     profile: Profile
     profile_path: Path
     nodes: int
-    folder: str  # submitit folder, with %j
+    folder: str  # submitit folder (logs, pickles, the script), with %j
     run_root: str  # <output_dir>; the run directory is <run_root>/<job id> unless run_id is set
     task: NodeTask
-    generic: dict
-    specific: dict
-
-
-def _recipe_arg(recipe: str) -> str:
-    from forge_core.config import recipe_dir
-
-    return recipe_dir(recipe)
+    sbatch: dict  # ``#SBATCH`` options {name: value} (True: a flag), e.g. {"nodes": 2, "requeue": True}
+    setup: list  # shell lines of the batch script before srun
 
 
 def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
               overrides: Sequence[str] = (), check_cluster: bool = True) -> JobSpec:
-    """Compose the recipe config, read the profile and derive the sbatch parameters.
+    """Compose the recipe config, read the profile and derive the sbatch options.
 
     Raises:
         ConfigError: bad recipe or override (names the key).
         SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES.
     """
-    from forge_core.config import load_config
+    from forge_core.config import load_config, recipe_dir
 
     prof, ppath = load_profile(profile_name)
     if check_cluster:
@@ -314,81 +347,99 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     cfg = load_config(recipe, overrides)  # exactly what node 0 will compose (run_id: the job id)
     folder = os.path.join(run_root, "%j", "slurm")
     n = int(cfg.layout.nodes)
-    generic = {"name": f"forge-{cfg.recipe}", "nodes": n, "tasks_per_node": 1, "timeout_min": prof.time_min,
-               "cpus_per_task": prof.cpus_per_task, "mem_gb": prof.mem_gb,
-               "gpus_per_node": int(cfg.layout.gpus_per_node) or None}
-    generic = {k: v for k, v in generic.items() if v is not None}
-    sbatch = {"requeue": True, "chdir": str(ROOT), **prof.sbatch}
+    mem = None if prof.mem_gb is None else (f"{int(prof.mem_gb)}GB" if float(prof.mem_gb).is_integer()
+                                            else f"{int(prof.mem_gb * 1024)}MB")
+    sbatch = {"job-name": f"forge-{cfg.recipe}", "nodes": n, "ntasks-per-node": 1, "time": prof.time_min,
+              "cpus-per-task": prof.cpus_per_task, "mem": mem, "gpus-per-node": int(cfg.layout.gpus_per_node) or None,
+              "partition": prof.partition, "account": prof.account, "qos": prof.qos, "constraint": prof.constraint,
+              "exclusive": prof.exclusive or None, "signal": f"USR2@{prof.signal_delay_s}", "requeue": True,
+              "chdir": str(ROOT), "output": f"{folder}/%j_0_log.out", "error": f"{folder}/%j_0_log.err",
+              "open-mode": "append", **prof.sbatch}
+    sbatch = {k: v for k, v in sbatch.items() if v is not None}
     setup = [f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
              f"export FORGE_MONARCH_PORT={prof.monarch_port}", *prof.setup]
-    specific = {"slurm_partition": prof.partition, "slurm_account": prof.account, "slurm_qos": prof.qos,
-                "slurm_constraint": prof.constraint, "slurm_exclusive": True if prof.exclusive else None,
-                "slurm_setup": setup, "slurm_signal_delay_s": prof.signal_delay_s,
-                "slurm_srun_args": ["--kill-on-bad-exit=1"], "slurm_additional_parameters": sbatch}
-    specific = {k: v for k, v in specific.items() if v is not None}
-    task = NodeTask(_recipe_arg(recipe), overrides, prof.attach_timeout_s)
-    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, generic, specific)
+    task = NodeTask(recipe_dir(recipe), overrides, prof.attach_timeout_s)
+    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, setup)
 
 
-def make_executor(spec: JobSpec):
-    """The submitit AutoExecutor (cluster ``slurm``) for ``spec``. Works without SLURM too (for dry
-    runs: submitit insists on ``srun`` being on PATH, which only matters for submitting)."""
-    import submitit
-    from submitit.slurm import slurm as sslurm
+def sbatch_script(spec: JobSpec) -> str:
+    """The batch script of ``spec``, exactly as :func:`submit` submits it (``%j``: the job id).
 
-    kwargs = {"folder": spec.folder, "cluster": "slurm",
-              "slurm_max_num_timeout": spec.profile.max_requeues_on_timeout}
-    if shutil.which("srun"):
-        ex = submitit.AutoExecutor(**kwargs)
-    else:
-        from unittest import mock
-
-        with mock.patch.object(sslurm.SlurmExecutor, "affinity", classmethod(lambda cls: 2)):
-            ex = submitit.AutoExecutor(**kwargs)
-    ex.update_parameters(**spec.generic, **spec.specific)
-    return ex
-
-
-def sbatch_script(spec: JobSpec, ex: Any = None) -> str:
-    """The exact sbatch script submitit writes for ``spec`` (``%j`` is SLURM's job-id pattern)."""
-    ex = ex or make_executor(spec)
-    inner = ex._executor
-    return inner._make_submission_file_text(inner._submitit_command_str, "dry-run")
+    submitit 1.5.4 has no public call that returns or takes a script, so this writes the one its
+    ``SlurmExecutor`` documents: ``#SBATCH`` options, the setup lines, then srun starting submitit's
+    job runner (``python -m submitit.core._submit FOLDER``: loads the pickled task, handles USR2 with
+    ``checkpoint`` + ``scontrol requeue``). srun gets ``--export=ALL``, else sbatch's ``--export``
+    list (``SLURM_EXPORT_ENV``) would also drop what the setup lines export.
+    """
+    opts = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}"
+            for k, v in sorted(spec.sbatch.items())]
+    srun = shlex.join(["srun", "--unbuffered", "--output", f"{spec.folder}/%j_%t_log.out", "--error",
+                       f"{spec.folder}/%j_%t_log.err", "--kill-on-bad-exit=1", "--export=ALL"])
+    run = f"{srun} {shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(spec.folder)}"
+    return "\n".join(["#!/bin/bash", "", "# Parameters", *opts, "", "# setup", *spec.setup, "", "# command",
+                      "export SUBMITIT_EXECUTOR=slurm", run, ""])
 
 
-def secret_values() -> dict[str, str]:
-    """``{name: value}`` of the secret environment variables that are set (non-trivial values)."""
-    return {k: os.environ[k] for k in SECRET_ENV if len(os.environ.get(k, "")) >= 6}
+def sbatch_env(secrets: bool) -> dict[str, str]:
+    """The environment of the sbatch call: this one less the secrets and the names that are not valid
+    identifiers, plus ``$FORGE_SLURM_SECRETS`` when ``secrets``. Its names are sbatch's ``--export`` list."""
+    env = {k: v for k, v in os.environ.items() if k not in (*SECRETS, SECRETS_ENV) and _NAME.fullmatch(k)}
+    return {**env, SECRETS_ENV: str(secrets_file("").parent)} if secrets else env
 
 
-def assert_no_secrets(what: str, text: str) -> None:
-    """Raise SlurmError if ``text`` contains the value of a secret environment variable."""
-    for name, value in secret_values().items():
-        if value in text:
-            raise SlurmError(f"the value of ${name} would be written into {what}; pass secrets only through "
-                             f"the environment (sbatch exports it to the job), never in overrides or setup lines")
+def submit(spec: JobSpec) -> dict:
+    """``sbatch --parsable --export=NAMES`` with :func:`sbatch_script` on stdin, then the secrets file
+    (when a secret is set) and submitit's task pickle, which every node waits for (up to 60 s).
+    Returns the job record (also saved as the last job).
 
+    Raises:
+        SlurmError: a secret's value would be written down, or sbatch is missing.
+        subprocess.CalledProcessError: sbatch failed (its message in ``stderr``).
+    """
+    from submitit.helpers import DelayedSubmission
 
-def submit(spec: JobSpec) -> Any:
-    """Submit through submitit; returns the submitit Job. Records it as the last job."""
-    ex = make_executor(spec)
-    script = sbatch_script(spec, ex)
+    script = sbatch_script(spec)
     assert_no_secrets("the sbatch script", script)
     assert_no_secrets("the job's pickled arguments", repr(spec.task))
-    os.makedirs(spec.run_root, exist_ok=True)
+    if not shutil.which("sbatch"):
+        raise SlurmError("sbatch is not on PATH: submit from a host of the SLURM cluster")
+    values = {k: os.environ[k] for k in SECRETS if os.environ.get(k)}
+    env = sbatch_env(bool(values))
     t0 = time.time()
-    job = ex.submit(spec.task)
-    jid = str(job.job_id)
-    folder = spec.folder.replace("%j", jid)
-    run_id = spec.cfg.run_id or jid
+    jid = subprocess.run(["sbatch", "--parsable", f"--export={','.join(sorted(env))}"], input=script, env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
+    folder = Path(spec.folder.replace("%j", jid))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{jid}_submission.sh").write_text(script)
+    if values:
+        path = secrets_file(jid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a leftover file of a reused job id may have had other bits
+        with os.fdopen(fd, "w") as f:
+            json.dump(values, f)
+    task = DelayedSubmission(spec.task)
+    task.set_timeout(spec.profile.time_min, spec.profile.max_requeues_on_timeout)
+    task.dump(folder / f".{jid}_submitted.pkl")
+    (folder / f".{jid}_submitted.pkl").rename(folder / f"{jid}_submitted.pkl")  # a node sees all of it or none
     rec = {"job_id": jid, "recipe": spec.cfg.recipe, "nodes": spec.nodes, "profile": str(spec.profile_path),
-           "folder": folder, "run_dir": os.path.join(spec.run_root, run_id),
-           "log_out": os.path.join(folder, f"{jid}_0_log.out"), "log_err": os.path.join(folder, f"{jid}_0_log.err"),
-           "submitted_at": t0}
+           "folder": str(folder), "run_dir": os.path.join(spec.run_root, spec.cfg.run_id or jid),
+           "log_out": str(folder / f"{jid}_0_log.out"), "log_err": str(folder / f"{jid}_0_log.err"),
+           "secrets": sorted(values), "submitted_at": t0}
     LAST_JOB.parent.mkdir(parents=True, exist_ok=True)
     LAST_JOB.write_text(json.dumps(rec, indent=1) + "\n")
-    job.forge = rec
-    return job
+    return rec
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job``'s ``KEY=VALUE`` fields of the job (``JobState``, ``StdOut``, ...); ``{}`` if unknown."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(t.split("=", 1) for t in out.split() if "=" in t)
 
 
 def last_job(job_id: Optional[str] = None) -> dict:
@@ -402,29 +453,13 @@ def last_job(job_id: Optional[str] = None) -> dict:
         return rec
     if rec is not None and rec["job_id"] == str(job_id):
         return rec
-    out = {"job_id": str(job_id)}
-    try:
-        show = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                              timeout=20).stdout
-        stdout = next((t.split("=", 1)[1] for t in show.split() if t.startswith("StdOut=")), None)
-        if stdout:
-            out["folder"] = os.path.dirname(stdout)
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return out
+    stdout = show_job(job_id).get("StdOut")
+    return {"job_id": str(job_id), **({"folder": os.path.dirname(stdout)} if stdout else {})}
 
 
 def job_state(job_id: str) -> Optional[str]:
     """SLURM's state of the job (``PENDING``, ``RUNNING``, ``COMPLETED``, ...), ``None`` if unknown."""
-    try:
-        p = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                           timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for tok in p.stdout.split():
-        if tok.startswith("JobState="):
-            return tok.split("=", 1)[1]
-    return None
+    return show_job(job_id).get("JobState")
 
 
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
@@ -439,34 +474,35 @@ def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, p
         raise SlurmError(f"job {jid} was not submitted from here: its log folder is unknown")
     files = [os.path.join(folder, f"{jid}_{task}_log.{kind}") for kind in ("out", "err")]
     print(f"job {jid} ({job_state(jid) or 'finished'}): {files[0]}  {files[1]}", file=out, flush=True)
-    pos = {f: 0 for f in files}
+    pos = dict.fromkeys(files, 0)
     while True:
-        for f in files:
-            try:
-                with open(f, "rb") as fh:
-                    fh.seek(pos[f])
-                    chunk = fh.read()
-                    pos[f] = fh.tell()
-            except FileNotFoundError:
-                continue
-            if chunk:
-                out.write(chunk.decode(errors="replace"))
-                out.flush()
+        for f in filter(os.path.exists, files):
+            with open(f, "rb") as fh:
+                fh.seek(pos[f])
+                out.write(fh.read().decode(errors="replace"))
+                pos[f] = fh.tell()
+            out.flush()
         if not follow or (job_state(jid) or "DONE") not in ACTIVE:
             break
         time.sleep(poll_s)
 
 
 def cancel(job_id: str) -> str:
-    """``scancel`` the job if it is still queued or running; returns what happened.
-    Raises SlurmError with scancel's message when it fails."""
+    """``scancel`` the job if it is still queued or running and delete its secrets file; returns
+    what happened. Raises SlurmError with scancel's message when it fails."""
     state = job_state(job_id)
     if state is not None and state not in ACTIVE:
-        return f"job {job_id} already ended ({state}); nothing to cancel"
-    p = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=30)
-    if p.returncode != 0:
-        raise SlurmError(f"scancel {job_id}: {p.stderr.strip()}")
-    return f"cancelled job {job_id} (was {state or 'unknown'})"
+        done = f"job {job_id} already ended ({state}); nothing to cancel"
+    else:
+        p = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=30)
+        if p.returncode != 0:
+            raise SlurmError(f"scancel {job_id}: {p.stderr.strip()}")
+        done = f"cancelled job {job_id} (was {state or 'unknown'})"
+    path = secrets_file(str(job_id))
+    if path.exists():
+        path.unlink()
+        done += f"; removed its secrets file {path}"
+    return done
 
 
 # --------------------------------------------------------------------------- command line
@@ -477,6 +513,9 @@ def _print_dry_run(spec: JobSpec) -> None:
 
     print(f"# recipe {spec.cfg.recipe}: resolved config (what node 0 runs)")
     print(OmegaConf.to_yaml(spec.cfg))
+    env = sbatch_env(any(os.environ.get(k) for k in SECRETS))
+    print(f"# submitted as: sbatch --parsable --export={','.join(sorted(env))} < SCRIPT\n#   (names only; "
+          f"{', '.join(SECRETS)} reach the nodes through {secrets_file('%j')})")
     print(f"# sbatch script (profile {spec.profile_path}); %j is the job id")
     print(sbatch_script(spec), end="")
     print(f"# every task (one per node) runs, from submitit's pickle in {spec.folder}:")
@@ -518,12 +557,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if a.dry_run:
                 _print_dry_run(spec)
                 return 0
-            job = submit(spec)
-            r = job.forge
+            r = submit(spec)
             print(f"submitted job {r['job_id']}: recipe {r['recipe']}, {r['nodes']} node(s), "
                   f"partition {spec.profile.partition or '(default)'}, profile {spec.profile_path}")
             print(f"  log:     {r['log_out']}  (stderr: {r['log_err']})")
             print(f"  run dir: {r['run_dir']}")
+            if r["secrets"]:
+                print(f"  secrets: {', '.join(r['secrets'])} in {secrets_file(r['job_id'])} (mode 0600)")
             print("  watch:   make slurm-logs      stop: make slurm-cancel")
             return 0
         rec = last_job(a.job_id)
@@ -532,10 +572,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif a.cmd == "cancel":
             print(cancel(rec["job_id"]))
         else:
-            print(f"job {rec['job_id']}: {job_state(rec['job_id']) or 'unknown (finished?)'}")
-            for k in ("run_dir", "log_out", "log_err"):
-                if k in rec:
-                    print(f"  {k}: {rec[k]}")
+            print(f"job {rec['job_id']}: {job_state(rec['job_id']) or 'unknown (finished?)'}"
+                  + "".join(f"\n  {k}: {rec[k]}" for k in ("run_dir", "log_out", "log_err") if k in rec))
         return 0
     except (ConfigError, SlurmError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -544,15 +582,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except BrokenPipeError:  # `make slurm-logs | head`
         return 0
-    except subprocess.CalledProcessError as e:  # pragma: no cover - sbatch/scancel failures
-        print(f"error: {e}", file=sys.stderr)
+    except subprocess.CalledProcessError as e:  # sbatch failed
+        print(f"error: {e.cmd[0]} failed: {(e.stderr or e.stdout or '').strip()}", file=sys.stderr)
         return 1
-    except Exception as e:
-        # submitit wraps sbatch's stderr in a FailedJobError / RuntimeError
-        if type(e).__module__.startswith("submitit"):
-            print(f"error: sbatch failed: {e}", file=sys.stderr)
-            return 1
-        raise
 
 
 if __name__ == "__main__":

@@ -103,6 +103,17 @@ def test_local_ip_for_loopback():
     assert bs.worker_address(c) == "tcp://127.0.0.1:30000"
 
 
+def test_loopback_host_list_keeps_each_nodes_own_address(monkeypatch):
+    # Several hosts emulated on one machine: every node binds its own listed loopback address ...
+    env = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2"}
+    for rank, ip in enumerate(("127.0.0.1", "127.0.0.2")):
+        c = bs.cluster_from_sky({**env, "SKYPILOT_NODE_RANK": str(rank)}, port=30000)
+        assert c.hosts == ["127.0.0.1", "127.0.0.2"] and bs.worker_address(c) == f"tcp://{ip}:30000"
+    # ... while on a real cluster a node whose own name maps to 127.0.1.1 binds its routable address.
+    monkeypatch.setattr(bs, "local_ip_for", lambda host: "10.9.0.1")
+    assert bs.worker_address(bs.Cluster(0, ["127.0.1.1", "10.9.0.2"], 30000)) == "tcp://10.9.0.1:30000"
+
+
 # --------------------------------------------------------------------------- actors (slow tests)
 
 try:
@@ -203,6 +214,37 @@ def _controller_missing_host(hosts: list[str], port: int, timeout_s: float) -> d
         worker.kill()
         worker_rc = "still running"
     return {"error": err, "elapsed_s": elapsed, "worker_rc": worker_rc}
+
+
+# --------------------------------------------------------------------------- slow: loopback hosts
+
+
+@pytest.mark.slow
+def test_two_loopback_hosts_one_mesh(tmp_path):
+    # Two "hosts" on this machine, as SkyPilot would list them: each worker binds its own address
+    # with the same port (one bind of 127.0.0.1 for both would fail), and one mesh spans both.
+    pytest.importorskip("monarch.actor")
+    ips, port = ["127.0.0.1", "127.0.0.2"], 26641
+    workers = []
+    for rank in (0, 1):
+        env = {**_env(), "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": "\n".join(ips),
+               "SKYPILOT_NUM_NODES": "2", "FORGE_MONARCH_PORT": str(port)}
+        with open(tmp_path / f"worker{rank}.log", "wb") as log:
+            workers.append(subprocess.Popen([PY, "-m", "launch.bootstrap", "worker", "--from", "sky"], env=env,
+                                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        r = _run_controller(None, f"_controller_mesh({ips!r}, {port}, 1024)")
+        assert len(r["where"]) == 2 and r["where"][0]["pid"] != r["where"][1]["pid"], r
+        assert r["sha_src"] == r["sha_dst"]  # an RDMABuffer read from host 1's actor into host 2's
+        assert [w.wait(timeout=20) for w in workers] == [0, 0]  # mesh.shutdown() ended both workers
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    for rank, ip in enumerate(ips):
+        log = (tmp_path / f"worker{rank}.log").read_text()
+        assert f"[bootstrap] worker tcp://{ip}:{port} (node {rank}/2)" in log, log[-2000:]
 
 
 # --------------------------------------------------------------------------- slow: fixtures

@@ -1,4 +1,5 @@
-"""SkyPilot launcher, tested without a cloud: recipes/*/sky.yaml and launch/sky.py.
+"""SkyPilot launcher, tested without a cloud: recipes/*/sky.yaml, launch/sky.py (client) and
+launch/sky_node.py (cluster side).
 
 The run: section is executed the way SkyPilot 0.14.1 executes it on a cluster node: the script
 comes from ``sky.skylet.log_lib.make_task_bash_script`` (sources ~/.bashrc, exports the task's
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sky = pytest.importorskip("sky", reason="skypilot is not installed (pip install -e '.[sky]')")
 
 from launch import sky as ls  # noqa: E402
+from launch import sky_node as sn  # noqa: E402
 
 PY = sys.executable
 NETNS = ROOT / "cluster" / "dev" / "netns.sh"
@@ -194,7 +196,7 @@ def test_task_file_is_valid_and_complete(task_file):
         assert "'.[gpu]'" in t.setup and "gpu-overrides.txt" in t.setup and "check --gpu" in t.setup
     else:
         assert accs == [] and cfg.device == "cpu"
-        assert "launch.sky check" in t.setup
+        assert "launch.sky_node check" in t.setup
     # Secrets only under secrets: (a null value is a required one: SkyPilot refuses to launch without it).
     declared = set(t.secrets) | {r.name for r in t.managed_secret_refs}
     assert declared == {"HF_TOKEN", "WANDB_API_KEY"}
@@ -203,27 +205,27 @@ def test_task_file_is_valid_and_complete(task_file):
     from forge_core.models import spec_of
 
     assert ("HF_TOKEN" in {r.name for r in t.managed_secret_refs}) == spec_of(cfg.model.name).gated
-    assert "launch.sky run" in t.run and set(t.envs) >= {"FORGE_RECIPE", "FORGE_ARGS", "FORGE_CKPT_DIR"}
+    assert "launch.sky_node run" in t.run and set(t.envs) >= {"FORGE_RECIPE", "FORGE_ARGS", "FORGE_CKPT_DIR"}
     assert (ROOT / "cluster" / "sky" / "gpu-overrides.txt").is_file()
 
 
 def test_shipped_recipes_resolve_from_cluster_shape():
     # A plain `sky launch recipes/<name>/sky.yaml` (no FORGE_RECIPE) finds its recipe.
     for name in RECIPES:
-        nodes, gpus = ls.recipe_shape(name)
-        assert Path(ls.resolve_recipe(nodes, gpus, env={})).name == name
-    assert Path(ls.resolve_recipe(9, 9, env={"FORGE_RECIPE": "qwen3_8b"})).name == "qwen3_8b"
-    assert Path(ls.resolve_recipe(9, 9, env={"FORGE_RECIPE": "recipes/qwen3_8b"})).name == "qwen3_8b"
-    with pytest.raises(ls.SkyError, match="FORGE_RECIPE"):
-        ls.resolve_recipe(7, 7, env={})
-    with pytest.raises(ls.SkyError, match="nope"):
-        ls.resolve_recipe(1, 0, env={"FORGE_RECIPE": "nope"})
+        nodes, gpus = sn.recipe_shape(name)
+        assert Path(sn.resolve_recipe(nodes, gpus, env={})).name == name
+    assert Path(sn.resolve_recipe(9, 9, env={"FORGE_RECIPE": "qwen3_8b"})).name == "qwen3_8b"
+    assert Path(sn.resolve_recipe(9, 9, env={"FORGE_RECIPE": "recipes/qwen3_8b"})).name == "qwen3_8b"
+    with pytest.raises(sn.SkyError, match="FORGE_RECIPE"):
+        sn.resolve_recipe(7, 7, env={})
+    with pytest.raises(sn.SkyError, match="nope"):
+        sn.resolve_recipe(1, 0, env={"FORGE_RECIPE": "nope"})
 
 
 def test_copy_resolution_is_never_silently_wrong(tmp_path):
     wd = make_node_home(tmp_path, {"my_exp": "qwen3_1_7b"}) / "sky_workdir"
-    with pytest.raises(ls.SkyError) as e:
-        ls.resolve_recipe(1, 3, env={}, root=str(wd))
+    with pytest.raises(sn.SkyError) as e:
+        sn.resolve_recipe(1, 3, env={}, root=str(wd))
     assert "recipes/my_exp" in str(e.value) and "recipes/qwen3_1_7b" in str(e.value)
     assert "--env FORGE_RECIPE=" in str(e.value)
 
@@ -237,7 +239,7 @@ def test_plain_sky_launch_of_a_copy_runs_the_copy(tmp_path):
     rc, envs, err = client_side(wd, "-c", "forge", "recipes/my_exp/sky.yaml")
     assert rc == 0, err
     assert envs["FORGE_RECIPE"] == "recipes/my_exp" and "[forge] recipe recipes/my_exp" in err
-    assert Path(ls.resolve_recipe(1, 3, env=envs, root=str(wd))).name == "my_exp"
+    assert Path(sn.resolve_recipe(1, 3, env=envs, root=str(wd))).name == "my_exp"
     rc, envs, err = client_side(wd, "recipes/qwen3_1_7b/sky.yaml", "--env", "FORGE_ARGS=steps=3")
     assert rc == 0 and envs["FORGE_RECIPE"] == "recipes/qwen3_1_7b" and envs["FORGE_ARGS"] == "steps=3", err
     # An explicit --env FORGE_RECIPE (and make sky, which always sets it) wins.
@@ -301,11 +303,11 @@ def test_setup_check_versions_gpus_and_recipe(capsys):
     # The last line of setup: on this CPU venv the embedded recipe's check passes ...
     env = {"SKYPILOT_SETUP_NODE_IPS": "10.0.0.1", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "0",
            "FORGE_ARGS": "", "FORGE_RECIPE": ""}
-    assert ls.check(False, env) == 0, capsys.readouterr().err
+    assert sn.check(False, env) == 0, capsys.readouterr().err
     assert "recipes/smollm2_135m" in capsys.readouterr().out
     # ... and a GPU recipe's names every missing piece (no vLLM, CPU torch, no GPUs).
     env.update(SKYPILOT_SETUP_NUM_GPUS_PER_NODE="3")
-    assert ls.check(True, env) == 1
+    assert sn.check(True, env) == 1
     err = capsys.readouterr().err
     assert "vllm missing (want 0.26.0)" in err and "torch 2.13" in err and "want 2.11.x" in err
     assert "CUDA GPU(s), the task asks for 3" in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -100,17 +101,17 @@ def test_job_parameters_come_from_recipe_and_profile(monkeypatch, tmp_path):
     monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
     spec = slurm.build_job("llama3_8b", "example", overrides=[f"output_dir={tmp_path}"], check_cluster=True)
     # nodes and GPUs from the recipe's layout; partition, account, ... from the profile
-    assert spec.generic["nodes"] == 2 and spec.generic["gpus_per_node"] == 8
-    assert spec.generic["tasks_per_node"] == 1 and spec.generic["timeout_min"] == 240
-    assert spec.generic["mem_gb"] == 480 and spec.generic["cpus_per_task"] == 64
-    assert spec.specific["slurm_partition"] == "gpu" and spec.specific["slurm_account"] == "my-account"
-    assert spec.specific["slurm_exclusive"] is True
+    assert spec.sbatch["nodes"] == 2 and spec.sbatch["gpus-per-node"] == 8
+    assert spec.sbatch["ntasks-per-node"] == 1 and spec.sbatch["time"] == 240
+    assert spec.sbatch["mem"] == "480GB" and spec.sbatch["cpus-per-task"] == 64
+    assert spec.sbatch["partition"] == "gpu" and spec.sbatch["account"] == "my-account"
+    assert spec.sbatch["exclusive"] is True
     script = slurm.sbatch_script(spec)
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --qos=normal" in script
     assert "source /path/to/forge-recipes/.venv/bin/activate" in script
     # NODES overrides layout.nodes; a CPU recipe asks for no GPUs
     spec = slurm.build_job("smollm2_135m", "dev", nodes=3, overrides=[*TINY, f"output_dir={tmp_path}"])
-    assert spec.nodes == 3 and spec.cfg.layout.nodes == 3 and "gpus_per_node" not in spec.generic
+    assert spec.nodes == 3 and spec.cfg.layout.nodes == 3 and "gpus-per-node" not in spec.sbatch
     assert spec.task.overrides[-2:] == ["layout.nodes=3", f"output_dir={tmp_path}"]
 
 
@@ -131,6 +132,53 @@ def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
     spec = slurm.build_job("smollm2_135m", prof, overrides=[*TINY, f"output_dir={tmp_path}"])
     with pytest.raises(slurm.SlurmError, match=r"\$WANDB_API_KEY would be written into the sbatch script"):
         slurm.submit(spec)
+
+
+def test_submit_exports_names_only_and_hands_secrets_over_in_a_private_file(monkeypatch, tmp_path):
+    # A fake sbatch/scontrol on PATH records what sbatch would get; nothing is submitted.
+    import cloudpickle
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\nprintf "%s\\n" "$@" >"$FAKE_OUT/args"; env >"$FAKE_OUT/env"; '
+                                    'cat >"$FAKE_OUT/script"; echo "4242;dev"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho JobId=4242 JobState=FAILED\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_OUT", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_TOKEN", "hf_test_SECRET123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_test_SECRET456")
+    monkeypatch.setenv("BASH_FUNC_x%%", "() { :; }")  # not a variable name: not exported
+    monkeypatch.setattr(slurm, "LAST_JOB", tmp_path / "last.json")
+    monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
+    spec = slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, f"output_dir={tmp_path}/runs"])
+    rec = slurm.submit(spec)
+    assert rec["job_id"] == "4242" and rec["secrets"] == ["HF_TOKEN", "WANDB_API_KEY"]
+    args = (tmp_path / "args").read_text().splitlines()
+    export = next(a for a in args if a.startswith("--export="))[len("--export="):].split(",")
+    assert {"PATH", "HOME", "FAKE_OUT", "FORGE_SLURM_SECRETS"} <= set(export)
+    assert not set(slurm.SECRETS) & set(export) and "BASH_FUNC_x%%" not in export
+    sbatch_env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    assert not {"hf_test_SECRET123", "wandb_test_SECRET456"} & set(sbatch_env.values())  # sbatch never sees one
+    folder = Path(rec["folder"])
+    assert args[0] == "--parsable" and len(args) == 2  # the script comes on stdin: what the dry run prints
+    assert (tmp_path / "script").read_text() == (folder / "4242_submission.sh").read_text() == slurm.sbatch_script(spec)
+    task = cloudpickle.loads((folder / "4242_submitted.pkl").read_bytes())
+    assert repr(task.function) == repr(spec.task) and task._timeout_countdown == spec.profile.max_requeues_on_timeout
+    # the secrets file: private, outside every SLURM state; a node reads it into its environment
+    f = tmp_path / "home" / ".cache" / "forge-recipes" / "slurm-secrets" / "4242.json"
+    assert sbatch_env["FORGE_SLURM_SECRETS"] == str(f.parent)
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE(f.parent.stat().st_mode) == 0o700
+    node_env = {"FORGE_SLURM_SECRETS": str(f.parent)}
+    assert slurm.load_secrets("4242", node_env) == ["HF_TOKEN", "WANDB_API_KEY"]
+    assert node_env["HF_TOKEN"] == "hf_test_SECRET123" and node_env["WANDB_API_KEY"] == "wandb_test_SECRET456"
+    # make slurm-cancel removes it (here: the job already ended); a node then says which file is missing
+    assert slurm.cancel("4242").endswith(f"removed its secrets file {f}") and not f.exists()
+    with pytest.raises(slurm.SlurmError, match=r"4242\.json .*FORGE_SLURM_SECRETS"):
+        slurm.load_secrets("4242", node_env)
+    assert slurm.load_secrets("4242", {}) == []  # no secret was set at submission
 
 
 def test_node_task_checkpoint_requeues_the_same_task():

@@ -5,13 +5,15 @@ up and idle) and takes it down at the end if it started it. Every job is submitt
 command line users run (``python -m launch.slurm submit``, what ``make slurm`` calls), the
 embedded recipe with the tiny random Llama, and fake secrets in the environment.
 
-Figures are printed (``pytest -s``): submit -> first training step, and requeue -> resumed step.
+Figures are printed (``pytest -s``): submit -> first training step, requeue -> resumed step, and
+the secrets search (files scanned, files holding a secret's value).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +29,17 @@ pytestmark = pytest.mark.slow
 
 SECRETS = {"HF_TOKEN": "hf_test_SECRET123", "WANDB_API_KEY": "wandb_test_SECRET456"}
 NODE_IPS = ["10.77.0.11", "10.77.0.12"]
+STATE = Path(os.environ.get("FR_SLURM_STATE", "/var/lib/forge-dev-slurm"))  # cluster/dev/up.sh
+SECRETS_DIR = Path.home() / ".cache" / "forge-recipes" / "slurm-secrets"
+# A test-only sitecustomize for a profile's setup: lines: the task on node 1 never starts its worker
+# and, like a task inside submitit (whose handler bypasses SIGTERM), only SLURM's SIGKILL ends it.
+HANG_NODE1 = """import os, signal, sys, time
+if os.environ.get("SLURM_NODEID") == "1" and "submitit.core._submit" in sys.orig_argv:
+    print("[test] node 1 hangs before its worker starts", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(3600)
+"""
 # The embedded recipe, tiny: 12 steps, a checkpoint every 3, the generator on node 1 (2nd node).
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
         "generator.max_response_tokens=8", "trainer.micro_batch_size=4", "steps=12", "checkpoint.every=3",
@@ -125,18 +138,38 @@ def _logs(rec: dict) -> str:
     return "\n".join(out)
 
 
-def _job_environ(jid: str) -> dict[str, dict[str, str]]:
-    """``{node_id: environ}`` of the live task processes of job ``jid`` (read from /proc)."""
-    found = {}
+def _job_procs(jid: str) -> list[dict]:
+    """``{node, cmd, env}`` of every live process of job ``jid`` (read from /proc)."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             raw = Path(f"/proc/{pid}/environ").read_bytes()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
         if env.get("SLURM_JOB_ID") == jid and "SLURM_NODEID" in env and "SLURM_STEP_ID" in env:
-            found.setdefault(env["SLURM_NODEID"], env)
+            found.append({"node": env["SLURM_NODEID"], "cmd": cmd, "env": env})
     return found
+
+
+def _scan(files: list[Path], job_ids: set[str]) -> tuple[int, list[str]]:
+    """``(files scanned, "file: NAME" for each secret value found)``. Files of other jobs' state
+    folders (``hash.N/job.N``, ``spool/node*/jobNNNNN``: earlier users of the dev cluster) are skipped."""
+    n, leaks = 0, []
+    for p in files:
+        m = re.search(r"/job\.?0*(\d+)/", str(p))
+        if not p.is_file() or (m and m.group(1) not in job_ids):
+            continue
+        n += 1
+        data = p.read_bytes()
+        leaks += [f"{p}: {k}" for k, v in SECRETS.items() if v.encode() in data]
+    return n, leaks
+
+
+def _slurm_state_files() -> list[Path]:
+    """slurmctld's StateSaveLocation and the slurmd spool dirs (cluster/dev/slurm.conf.in)."""
+    return [*(STATE / "ctld").rglob("*"), *(STATE / "spool").rglob("*")]
 
 
 def _sha(path: Path) -> str:
@@ -154,9 +187,12 @@ def two_node_run(work):
     t0 = rec["submitted_at"]
     _wait(lambda: _rows(rec["run_dir"]), 240, "the first training step")
     FIGURES["submit_to_first_step_s"] = time.time() - t0
-    environ = _job_environ(rec["job_id"])  # the job is running: its processes' environment
+    rec["procs"] = _job_procs(rec["job_id"])  # the job is running: its processes' environment ...
+    state_files = _slurm_state_files()  # ... and SLURM's state of it
+    rec["scan_running"] = _scan(state_files, {rec["job_id"]})
+    env_file = next(p for p in state_files if p.name == "environment" and f"job.{rec['job_id']}" in str(p))
+    rec["env_file_has_exported_value"] = str(work / "last_job.json").encode() in env_file.read_bytes()
     rec["state"] = _wait_done(rec)
-    rec["environ"] = environ
     return rec
 
 
@@ -221,6 +257,7 @@ def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, wo
 
     _wait(resumed_step, 240, f"step {resumed_from + 1} after the resume")
     t_step = time.time()
+    rec["scan_running"] = _scan(_slurm_state_files(), {jid})  # the requeued job, running
     FIGURES.update(interrupt_to_pending_s=t_pending - t_int, restart_to_first_resumed_step_s=t_step - t_restart,
                    interrupt_to_first_resumed_step_without_hold_s=(t_pending - t_int) + (t_step - t_restart))
     assert _wait_done(rec) == "COMPLETED", _logs(rec)
@@ -238,6 +275,9 @@ def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, wo
     log0 = "".join((Path(rec["folder"]) / f"{jid}_0_log.{k}").read_text() for k in ("out", "err"))
     assert "Calling checkpoint method" in log0 and f"Requeued job {jid}" in log0  # submitit's protocol
     assert "restarts so far: 1" in log0
+    # the requeued job read the secrets file again (names only in the log); completion removed it
+    assert log0.count("[slurm] node 0: HF_TOKEN, WANDB_API_KEY set from $FORGE_SLURM_SECRETS") == 2, log0[-3000:]
+    assert not (SECRETS_DIR / f"{jid}.json").exists()
     rec["state"] = "COMPLETED"
     work.joinpath("requeue.json").write_text(json.dumps(rec))
 
@@ -265,9 +305,13 @@ def test_unknown_profile_key_fails_before_submitting(work):
 
 
 def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
+    hang = work / "hang_node1"
+    hang.mkdir(exist_ok=True)
+    (hang / "sitecustomize.py").write_text(HANG_NODE1)
     prof = work / "fast_attach.yaml"
-    prof.write_text("partition: dev\ncpus_per_task: 1\ntime_min: 10\nattach_timeout_s: 15\n")
-    rec = _submit(work, "deadworker", "--cluster", str(prof), *TINY, FORGE_TEST_HANG_NODES="1")
+    prof.write_text(f"partition: dev\ncpus_per_task: 1\ntime_min: 10\nattach_timeout_s: 15\n"
+                    f"setup:\n  - export PYTHONPATH={hang}:$PYTHONPATH\n")
+    rec = _submit(work, "deadworker", "--cluster", str(prof), *TINY)
     t0 = time.time()
     state = _wait_done(rec, 180)
     elapsed = time.time() - rec["submitted_at"]
@@ -276,35 +320,56 @@ def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
     assert elapsed < 15 + 90, elapsed
     err = (Path(rec["folder"]) / f"{rec['job_id']}_0_log.err").read_text()
     assert f"Monarch workers not reachable within 15 s: {NODE_IPS[1]}:26600" in err
+    assert "[test] node 1 hangs" in (Path(rec["folder"]) / f"{rec['job_id']}_1_log.out").read_text()
     assert rec["job_id"] not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
     # nothing of the job is left on node2 (only its slurmd lives in the namespace)
     time.sleep(max(0.0, 2 - (time.time() - t0)))
     pids = subprocess.run(["ip", "netns", "pids", "fr-node2"], capture_output=True, text=True).stdout.split()
     comms = [Path(f"/proc/{p}/comm").read_text().strip() for p in pids if Path(f"/proc/{p}/comm").exists()]
     assert set(comms) <= {"slurmd"}, comms
+    # a failed job leaves its secrets file; make slurm-cancel removes it
+    assert (SECRETS_DIR / f"{rec['job_id']}.json").is_file()
+    p = subprocess.run([sys.executable, "-m", "launch.slurm", "cancel", rec["job_id"]], cwd=ROOT, env=_env(work),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "removed its secrets file" in p.stdout, p.stdout + p.stderr
+    assert not (SECRETS_DIR / f"{rec['job_id']}.json").exists()
     work.joinpath("deadworker.json").write_text(json.dumps(rec))
 
 
 # --------------------------------------------------------------------------- secrets
 
 
-def test_secrets_reach_the_job_only_through_its_environment(two_node_run, work):
-    # they reached both nodes' task processes ...
-    env = two_node_run["environ"]
-    assert set(env) == {"0", "1"}, list(env)
-    for node, e in env.items():
-        for k, v in SECRETS.items():
-            assert e.get(k) == v, f"{k} missing on node {node}"
-    # ... and appear in no file any job wrote: scripts, pickles, logs, configs, metrics, checkpoints
+def test_secrets_reach_the_nodes_but_no_slurm_state_and_no_file(two_node_run, work):
+    rec = two_node_run
+    # every node set them from the job's secrets file (the log names them, never their values) ...
+    for task in (0, 1):
+        out = (Path(rec["folder"]) / f"{rec['job_id']}_{task}_log.out").read_text()
+        assert f"[slurm] node {task}: HF_TOKEN, WANDB_API_KEY set from $FORGE_SLURM_SECRETS" in out, out[-2000:]
+    # ... the processes srun started did not get them from SLURM, the processes they started have them
+    procs = rec["procs"]
+    assert {p["node"] for p in procs} == {"0", "1"}, procs
+    for p in procs:
+        if "submitit.core._submit" in p["cmd"]:
+            assert not set(SECRETS) & set(p["env"]), f"node {p['node']}: a secret came through SLURM"
+    for node in ("0", "1"):
+        assert any(all(p["env"].get(k) == v for k, v in SECRETS.items()) for p in procs if p["node"] == node), node
+    assert not (SECRETS_DIR / f"{rec['job_id']}.json").exists()  # the job completed: its file is gone
+    # no value in SLURM's state (slurmctld's StateSaveLocation: the saved job environment and script;
+    # slurmd spool dirs) while the jobs ran and now, nor in any file the jobs wrote: scripts,
+    # pickles, logs, configs, metrics, checkpoints, Monarch's log
+    assert rec["env_file_has_exported_value"], "the grep would not see an exported value in the job's environment"
+    job_ids = {json.loads(p.read_text())["job_id"] for p in work.glob("*.json") if p.name != "last_job.json"}
     files = [p for p in work.rglob("*") if p.is_file()]
     monarch_log = Path(f"/tmp/{os.environ.get('USER', 'root')}/monarch_log.log")
     files += [monarch_log] if monarch_log.is_file() else []
     assert any(p.name.endswith("_submission.sh") for p in files)
     assert any(p.name.endswith("_submitted.pkl") for p in files)
     assert any(p.name == "optimizer.pt" for p in files)
-    leaks = []
-    for p in files:
-        data = p.read_bytes()
-        leaks += [f"{p}: {k}" for k, v in SECRETS.items() if v.encode() in data]
+    scans = [rec["scan_running"], _scan(_slurm_state_files(), job_ids | {rec["job_id"]}), _scan(files, set())]
+    req = work / "requeue.json"
+    scans += [tuple(json.loads(req.read_text())["scan_running"])] if req.is_file() else []
+    scanned, leaks = sum(n for n, _ in scans), [x for _, lk in scans for x in lk]
+    print(f"\n[secrets] scanned {scanned} files (SLURM state: {scans[0][0]} while the 2-node job ran"
+          f"{f', {scans[3][0]} while the requeued one ran' if len(scans) > 3 else ''}, {scans[1][0]} after; "
+          f"job folders and Monarch log: {scans[2][0]}): {len(set(leaks))} hold a secret's value")
     assert not leaks, leaks
-    print(f"\n[secrets] searched {len(files)} files, no secret value found")
