@@ -44,8 +44,10 @@ class GeneratorConfig:
         temperature: sampling temperature (logprobs are of the tempered distribution).
         top_p: nucleus sampling; 1.0 keeps the behaviour logprobs exact.
         gpu_memory_utilization: vLLM's KV-cache share of GPU memory.
-        dtype: the generator's (and reference model's) weight dtype; the trainer's fp32 master
-            weights are cast to it when published.
+        dtype: the generator's (and reference model's) weight dtype: ``bfloat16``, ``float32`` or
+            ``auto`` (bf16 on GPUs; on a CPU whichever a matmul probe in each actor's process finds
+            faster: bf16 only with hardware support such as AVX-512 BF16 or AMX). The trainer's fp32
+            master weights are cast to it when published.
         max_num_seqs: vLLM's cap on sequences decoded at once (per replica).
         sleep_level: vLLM sleep level between generations when colocated with the trainer
             (1: weights to host memory, KV cache freed; 2: both freed).
@@ -58,7 +60,7 @@ class GeneratorConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.5
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_num_seqs: int = 256
     sleep_level: int = 1
 
@@ -79,7 +81,8 @@ class TrainerConfig:
             ``micro_batch_size`` sequences to the longest). A multiple of 128 suits FlexAttention.
         logprob_chunk: response positions per block of the chunked logprobs (no ``[tokens, vocab]``
             logits are ever held whole).
-        compute_dtype: ``"bfloat16"`` autocast over fp32 master weights, or ``"float32"``.
+        compute_dtype: ``"bfloat16"`` autocast over fp32 master weights, ``"float32"``, or ``"auto"``
+            (as ``generator.dtype``).
         activation_checkpointing: recompute each block in the backward (TorchTitan's full AC):
             ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate
             without it exceeds 85% of the GPU (never on CPU).
@@ -95,7 +98,7 @@ class TrainerConfig:
     micro_batch_size: int = 8
     tokens_per_micro_batch: int = 0
     logprob_chunk: int = 1024
-    compute_dtype: str = "bfloat16"
+    compute_dtype: str = "auto"
     activation_checkpointing: Optional[bool] = None
     tp: int = 1
     compile: bool = False
@@ -250,7 +253,7 @@ def register() -> None:
 def _check(cfg: DictConfig, where: str) -> None:
     choices = {
         "generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"),
-        "trainer.compute_dtype": ("bfloat16", "float32"), "generator.dtype": ("bfloat16", "float32"),
+        "trainer.compute_dtype": ("bfloat16", "float32", "auto"), "generator.dtype": ("bfloat16", "float32", "auto"),
         "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"), "generator.sleep_level": (1, 2),
         "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
     }

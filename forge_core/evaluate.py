@@ -35,14 +35,18 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     """
     import os
 
+    from forge_core.actors import resolve_dtype
+    from forge_core.models import hf_config_dict
+
+    dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
             raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, cfg.generator.dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
     else:
-        model = load_model(cfg.model, dtype=getattr(torch, cfg.generator.dtype))
+        model = load_model(cfg.model, dtype=dtype)
     tok = load_tokenizer(cfg.model)
     problems = eval_subset(cfg.eval.num_questions, cfg.eval.seed, cfg.data.dir, cfg.data.hub_id)
     strict = flexible = fmt = 0

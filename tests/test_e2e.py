@@ -72,11 +72,11 @@ def test_two_grpo_steps_through_actors():
 
 
 def test_bf16_sync_is_bitwise_cast_of_master_weights():
-    """Default generator dtype bf16: the generator holds exactly the trainer's fp32 weights cast to bf16."""
+    """Generator dtype bf16: the generator holds exactly the trainer's fp32 weights cast to bf16."""
     from forge_core.services import call, spawn_services
 
     async def go():
-        cfg = load_config("smollm2_135m", TINY)
+        cfg = load_config("smollm2_135m", TINY + ["generator.dtype=bfloat16"])
         svc = await spawn_services(cfg)
         try:
             await call("generator", svc.generator.update_weights, await call("trainer", svc.trainer.publish))

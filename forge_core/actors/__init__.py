@@ -1,6 +1,8 @@
 """Monarch actors: generator, reward, reference model, trainer, replay buffer. Each runs in its own process."""
 
 import os
+import time
+from typing import Callable, Optional
 
 import torch
 
@@ -30,3 +32,50 @@ def init_device(device: str, gpus: list, per_node: int, rank: int, world: int, p
                           MASTER_PORT=str(port))
         dist.init_process_group("nccl", device_id=torch.device("cuda:0"))
     return torch.device("cuda:0")
+
+
+def matmul_probe(hidden: int, rows: int = 64, reps: int = 5) -> tuple[float, float]:
+    """``(bf16_s, fp32_s)``: the best of ``reps`` timings (seconds) of a ``[rows, hidden] @ [hidden,
+    hidden]`` matmul in each dtype on this process's CPU threads (a few milliseconds where bf16 has
+    hardware support; where it has none, AVX2-only CPUs, bf16 runs ~60x slower)."""
+    def best(a: torch.Tensor, b: torch.Tensor) -> float:
+        a @ b  # warm-up (oneDNN picks its kernel)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, hidden)
+    return best(a.bfloat16(), b.bfloat16()), best(a, b)
+
+
+def resolve_dtype(setting: str, device: str, hidden: int, who: str,
+                  probe: Optional[Callable[[int], tuple[float, float]]] = None) -> torch.dtype:
+    """The dtype for ``setting`` (``"bfloat16"``, ``"float32"`` or ``"auto"``). ``auto``: bf16 on
+    GPUs; on a CPU, bf16 only where the probe (:func:`matmul_probe` of the model's ``hidden`` size,
+    or ``probe``) finds a bf16 matmul at least as fast as fp32, and the choice and both timings are
+    printed once per process, naming ``who``. An explicit setting is never overridden.
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    if setting != "auto":
+        if setting not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype {setting!r} must be bfloat16, float32 or auto")
+        return getattr(torch, setting)
+    if device == "cuda":
+        return torch.bfloat16
+    if probe is None and hidden in _PROBED:
+        return _PROBED[hidden]
+    t16, t32 = (probe or matmul_probe)(hidden)
+    dt = torch.bfloat16 if t16 <= t32 else torch.float32
+    print(f"[forge] {who}: dtype auto -> {str(dt).removeprefix('torch.')} (a 64x{hidden} @ {hidden}x{hidden} matmul: bf16 "
+          f"{t16 * 1e3:.2f} ms, fp32 {t32 * 1e3:.2f} ms, {torch.get_num_threads()} thread(s))", flush=True)
+    if probe is None:
+        _PROBED[hidden] = dt
+    return dt
+
+
+_PROBED: dict[int, torch.dtype] = {}  # this process's probe results, by hidden size

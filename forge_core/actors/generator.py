@@ -128,7 +128,11 @@ class Generator(Actor):
         setup_process(threads, seed)
         mc = ModelConfig(**model)
         self.tok = load_tokenizer(mc)
-        self.model = load_model(mc, dtype=getattr(torch, self.g.dtype))
+        from forge_core.actors import resolve_dtype
+        from forge_core.models import hf_config_dict
+
+        self.dtype = resolve_dtype(self.g.dtype, "cpu", hf_config_dict(mc.name)["hidden_size"], replica)
+        self.model = load_model(mc, dtype=self.dtype)
         self.flat, self.layout = flatten_parameters(self.model)
         self.version = 0
 
@@ -178,6 +182,11 @@ class Generator(Actor):
     async def get_version(self) -> int:
         """The policy version currently loaded."""
         return self.version
+
+    @endpoint
+    async def get_dtype(self) -> str:
+        """The weight dtype (``generator.dtype``, resolved when ``auto``): what the trainer publishes."""
+        return str(self.dtype).removeprefix("torch.")
 
     @endpoint
     async def weights_digest(self) -> str:

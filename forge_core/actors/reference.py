@@ -28,7 +28,8 @@ class Reference(Actor):
     Args:
         model: the ``model`` config section (name, seed).
         device: ``"cpu"`` or ``"cuda"``.
-        dtype: weight dtype (the generator's).
+        dtype: weight dtype (``generator.dtype``; ``auto``: bf16 on GPUs, the faster of bf16 and
+            fp32 on this CPU, see :func:`forge_core.actors.resolve_dtype`).
         temperature: the sampling temperature (logprobs of the tempered distribution).
         micro_batch_size: sequences per forward (not packing).
         tokens_per_micro_batch: packing budget (tokens per forward; 0: no packing).
@@ -45,16 +46,19 @@ class Reference(Actor):
         from monarch.actor import current_rank
 
         setup_process(threads, seed)
-        self.model_cfg, self.dtype = dict(model), getattr(torch, dtype)
+        from forge_core.actors import resolve_dtype
+
+        self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
+        self.model_cfg = dict(model)
+        self.dtype = resolve_dtype(dtype, device, self.spec.hf["hidden_size"], "reference")
         self.world = max(len(gpus), 1)
         self.rank = current_rank().rank if self.world > 1 else 0
         self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.budget, self.chunk = tokens_per_micro_batch, logprob_chunk
-        self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
         compile = compile and device == "cuda"
         par = titan.parallelize_fn(self.spec, self.world, 1, False, seq_len, compile) if self.world > 1 or compile else None
-        self.model = titan.build_model(self.spec, self.device, model["seed"], par, dtype=getattr(torch, dtype),
+        self.model = titan.build_model(self.spec, self.device, model["seed"], par, dtype=self.dtype,
                                        packed=self.budget > 0)
         self.model.requires_grad_(False)
         self.model.eval()
@@ -84,6 +88,11 @@ class Reference(Actor):
             torch.cuda.synchronize()
         self.version = 0
         return time.perf_counter() - t0
+
+    @endpoint
+    async def get_dtype(self) -> str:
+        """The weight dtype: what the trainer publishes for :meth:`load_initial`."""
+        return str(self.dtype).removeprefix("torch.")
 
     @endpoint
     async def digest(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_core import titan
-from forge_core.actors import init_device, setup_process
+from forge_core.actors import init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
 from forge_core.losses import compute_loss
 from forge_core.weight_sync import Sender, StagingBuffer, WeightHandle
@@ -104,7 +104,9 @@ class Trainer(Actor):
         model: the ``model`` config section (name, path, init, seed).
         loss: the ``loss`` config section.
         device: ``"cpu"`` or ``"cuda"``.
-        publish_dtype: the receivers' weight dtype (the staging buffer's).
+        publish_dtype: the receivers' weight dtype by default (``generator.dtype``; ``auto``:
+            resolved here as a receiver on this host would; the controller passes each receiver's
+            own resolved dtype to :meth:`publish`).
         temperature: the sampling temperature (logprobs are of the tempered distribution).
         max_response_tokens: the generation budget (Dr. GRPO's fixed horizon).
         seq_len: longest prompt + response (tokens).
@@ -147,9 +149,9 @@ class Trainer(Actor):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.t.lr, betas=tuple(self.t.betas),
                                      weight_decay=self.t.weight_decay, fused=device == "cuda")
         self.adapter = titan.state_dict_adapter(self.spec)
-        self.publish_dtype = getattr(torch, publish_dtype)
-        self.staging = StagingBuffer(titan.hf_layout(self.spec), self.publish_dtype, self.device) \
-            if self.rank == 0 else None
+        hidden = self.spec.hf["hidden_size"]
+        self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
+        self.staging: dict[str, StagingBuffer] = {}  # per published dtype, on rank 0
         self.sender: Optional[Sender] = None
         ws = weight_sync or {}
         self.addr, self.sync_timeout_s = addr, float(ws.get("timeout_s", 300.0))
@@ -159,7 +161,8 @@ class Trainer(Actor):
         if loss["aggregation"] == "fixed_horizon" and loss.get("horizon") is None:
             loss["horizon"] = max_response_tokens  # Dr. GRPO: the generation budget
         self.loss_cfg = OmegaConf.create(loss)
-        self.autocast = self.t.compute_dtype == "bfloat16" and self.world == 1
+        self.compute = resolve_dtype(self.t.compute_dtype, device, hidden, "trainer")
+        self.autocast = self.compute == torch.bfloat16 and self.world == 1
         self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
 
     def _activation_checkpointing(self, seq_len: int, shared_gb: float) -> bool:
@@ -290,23 +293,31 @@ class Trainer(Actor):
             torch.cuda.empty_cache()  # colocated: hand the memory back before the generator wakes
         return agg
 
-    def _fill(self) -> None:
-        named = titan.named_hf_tensors(self.model, self.spec, self.adapter, dtype=self.publish_dtype)
-        if self.rank == 0:
-            if self.sender is not None:
-                self.sender.wait()  # the previous version's broadcast still reads the buffer
-            self.staging.fill(named)
-        else:
-            for _ in named:  # the gathers are collectives: every rank iterates
+    def _fill(self, dtype: str) -> Optional[StagingBuffer]:
+        """Cast and gather the live weights into the ``dtype`` staging buffer (rank 0's; created on
+        first use); every rank iterates, as the gathers are collectives."""
+        named = titan.named_hf_tensors(self.model, self.spec, self.adapter, dtype=getattr(torch, dtype))
+        if self.rank != 0:
+            for _ in named:
                 pass
+            return None
+        if self.sender is not None:
+            self.sender.wait()  # the previous version's broadcast still reads the buffer
+        if dtype not in self.staging:
+            self.staging[dtype] = StagingBuffer(titan.hf_layout(self.spec), getattr(torch, dtype), self.device)
+        self.staging[dtype].fill(named)
+        self.last_dtype = dtype
+        return self.staging[dtype]
 
     @endpoint
-    async def publish(self, rdma: bool = False, group_world: int = 0, generation: int = 0) -> Optional[WeightHandle]:
-        """Cast and gather the weights into the staging buffer (HF layout, the receivers' dtype);
-        rank 0 returns the handle: same-host IPC always, an RDMA buffer when ``rdma``, and with
-        ``group_world > 1`` a broadcast to that many group members (this rank included) starts in
-        the background (receivers join with ``WeightReceiver.fetch``)."""
-        self._fill()
+    async def publish(self, rdma: bool = False, group_world: int = 0, generation: int = 0,
+                      dtype: Optional[str] = None) -> Optional[WeightHandle]:
+        """Cast and gather the weights into the staging buffer of ``dtype`` (the receivers' weight
+        dtype; default ``generator.dtype``, resolved) in HF layout; rank 0 returns the handle:
+        same-host IPC always, an RDMA buffer when ``rdma``, and with ``group_world > 1`` a broadcast
+        to that many group members (this rank included) starts in the background (receivers join
+        with ``WeightReceiver.fetch``)."""
+        buf = self._fill(dtype or self.publish_dtype)
         if self.rank != 0:
             return None
         group = None
@@ -314,8 +325,8 @@ class Trainer(Actor):
             if self.sender is None:
                 self.sender = Sender(self.addr, self.sync_timeout_s)
             group = self.sender.info(group_world, generation)
-            self.sender.start(self.staging.flat, self.bucket_bytes)
-        return self.staging.handle(self.version, rdma=rdma, group=group)
+            self.sender.start(buf.flat, self.bucket_bytes)
+        return buf.handle(self.version, rdma=rdma, group=group)
 
     @endpoint
     async def compile_time(self) -> float:
@@ -328,10 +339,11 @@ class Trainer(Actor):
         return self.version
 
     @endpoint
-    async def weights_digest(self) -> str:
-        """sha256 of the live weights cast to the publish dtype, in HF layout (rank 0; else ``""``)."""
-        self._fill()
-        return self.staging.digest() if self.rank == 0 else ""
+    async def weights_digest(self, dtype: Optional[str] = None) -> str:
+        """sha256 of the live weights cast to ``dtype`` (default: the last published one), in HF
+        layout (rank 0; else ``""``)."""
+        buf = self._fill(dtype or getattr(self, "last_dtype", self.publish_dtype))
+        return buf.digest() if buf is not None else ""
 
     @endpoint
     async def state_dict(self) -> dict:

@@ -186,8 +186,9 @@ class VllmGenerator(Actor):
         self.colocated = colocated
         self.max_len = g.max_prompt_tokens + g.max_response_tokens
         t0 = time.perf_counter()
+        self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
         self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
-                       load_format="dummy", dtype=g.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
+                       load_format="dummy", dtype=self.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
                        max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
                        seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated,
                        max_num_seqs=g.max_num_seqs)
@@ -312,6 +313,11 @@ class VllmGenerator(Actor):
     async def get_version(self) -> int:
         """The policy version currently loaded."""
         return self.version
+
+    @endpoint
+    async def get_dtype(self) -> str:
+        """The engine's weight dtype (``auto``: bfloat16): what the trainer publishes."""
+        return self.dtype
 
     @endpoint
     async def info(self) -> dict:
