@@ -204,7 +204,14 @@ class EvalConfig:
 
 @dataclass
 class Config:
-    """The whole run. See the module docstring for how a recipe overrides it."""
+    """The whole run. See the module docstring for how a recipe overrides it.
+
+    Top-level attributes: ``device`` (cpu, cuda), ``steps`` (optimizer steps), ``prompts_per_step``,
+    ``max_staleness`` (an episode sampled with policy version v may train step s only if s - v <=
+    this), ``buffer_capacity`` (episodes), ``seed``, ``threads_per_actor`` (torch threads of each CPU
+    actor; 0: the actors computing at the moment share the host's cores, see
+    :class:`forge_core.actors.CoreShare`), ``output_dir``, ``run_id`` (resume with the same), ``resume``.
+    """
 
     defaults: List[Any] = field(default_factory=lambda: [{"loss": "grpo"}, "_self_"])
     recipe: str = MISSING
@@ -227,7 +234,7 @@ class Config:
     max_staleness: int = 1
     buffer_capacity: int = 1024
     seed: int = 0
-    threads_per_actor: int = 1
+    threads_per_actor: int = 0
     output_dir: str = "runs/${recipe}"
     run_id: str = "${oc.env:FORGE_RUN_ID,''}"
     resume: bool = True

@@ -218,6 +218,9 @@ class Services:
         self.stopping = True
         for s in self.all():
             await s.stop(timeout_s)
+        import shutil
+
+        shutil.rmtree(cores_dir(), ignore_errors=True)
 
 
 def actor_class(role: str, device: str) -> type:
@@ -236,6 +239,8 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
     gpu = cfg.device == "cuda"
     seq_len = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
     base = {"seed": cfg.seed, "threads": max(cfg.threads_per_actor, 4) if gpu else cfg.threads_per_actor}
+    if not gpu and role in ("generator", "trainer", "reference"):
+        base["cores_dir"] = cores_dir()
     place = {"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {}
     if role == "generator":
         kw = dict(base, generator=_section(cfg, "generator"), model=_section(cfg, "model"),
@@ -259,6 +264,15 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
     if role == "reward":
         return {"reward_cfg": _section(cfg, "reward")}
     return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness}
+
+
+def cores_dir() -> str:
+    """Where this run's CPU actors share each host's cores (:class:`forge_core.actors.CoreShare`):
+    a directory named after the controller's process, in /dev/shm (or the temp dir)."""
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"forge-cores-{os.getpid()}")
 
 
 def _shared_gb(cfg: DictConfig, plan: Plan) -> float:

@@ -8,10 +8,60 @@ import torch
 
 
 def setup_process(threads: int, seed: int) -> None:
-    """Per-actor process setup: cap torch/OpenMP threads (the actors share the host's cores) and seed."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+    """Per-actor process setup: cap torch/OpenMP threads (the actors share the host's cores; 0:
+    :class:`CoreShare` sizes them per piece of work) and seed."""
+    n = threads or len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(threads or 1)
     torch.manual_seed(seed)
+
+
+class CoreShare:
+    """Shares this host's CPU cores among the run's actor processes that are computing right now
+    (``threads_per_actor: 0``). Each busy actor holds a file named after it in ``path``, a directory
+    every CPU actor of the run on this host shares; before each piece of work (a micro-batch, 16
+    decode steps) it sets its torch threads to ``cores // busy actors``, so an actor computing while
+    the others wait gets every core, and two computing at once get half each. With a fixed thread
+    count (``threads`` > 0) or no ``path`` it does nothing.
+
+    Args:
+        path: the shared directory (created if missing), or None.
+        name: this actor's name (its file).
+        threads: ``threads_per_actor``.
+    """
+
+    def __init__(self, path: Optional[str], name: str, threads: int):
+        self.path = path if path and threads == 0 else None
+        self.mark = os.path.join(self.path, name) if self.path else ""
+        self.cores = len(os.sched_getaffinity(0))
+        if self.path:
+            os.makedirs(self.path, exist_ok=True)
+
+    def refresh(self) -> int:
+        """Set torch's threads to this host's cores over its busy actors; returns the count."""
+        if not self.path:
+            return torch.get_num_threads()
+        try:
+            busy = max(len(os.listdir(self.path)), 1)
+        except FileNotFoundError:
+            busy = 1
+        n = max(self.cores // busy, 1)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return n
+
+    def __enter__(self) -> "CoreShare":
+        if self.path:
+            open(self.mark, "w").close()
+            self.refresh()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path:
+            try:
+                os.unlink(self.mark)
+            except FileNotFoundError:
+                pass
 
 
 def init_device(device: str, gpus: list, per_node: int, rank: int, world: int, port: int) -> torch.device:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from monarch.actor import Actor, endpoint
 
-from forge_core.actors import setup_process
+from forge_core.actors import CoreShare, setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
@@ -29,13 +29,16 @@ class _StopAfterAnswer:
     Records, per row, the response length (tokens) at which it stopped, so the caller can cut there.
     """
 
-    def __init__(self, tok, prompt_len: int, rows: int):
+    def __init__(self, tok, prompt_len: int, rows: int, every16: Optional[Any] = None):
         self.tok, self.P = tok, prompt_len
         self.stop_len = [None] * rows
+        self.every16 = every16
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         n = input_ids.shape[1] - self.P
+        if self.every16 is not None and n % 16 == 0:
+            self.every16()
         for i in range(input_ids.shape[0]):
             if self.stop_len[i] is None:
                 # the answer line is a few tokens: it lies in the tail when its newline arrives
@@ -49,13 +52,14 @@ class _StopAfterAnswer:
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max_prompt_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                seed: Optional[int] = None, stop_after_answer: bool = True) -> list[dict]:
+                seed: Optional[int] = None, stop_after_answer: bool = True, every16: Optional[Any] = None) -> list[dict]:
     """Sample ``n`` completions per prompt with transformers' ``generate``.
 
     Returns ``len(prompts) * n`` dicts (prompt-major order) with ``prompt_ids``, ``response_ids``
     (cut after the first EOS, which is kept, or after a finished ``#### N`` line when
     ``stop_after_answer``), ``logprobs`` (log-softmax of logits / temperature, i.e. of the
     distribution sampled from, float32), ``text`` and ``truncated`` (hit ``max_new_tokens``).
+    ``every16`` is called every 16 decode steps (the actor resizes its thread pool there).
     """
     from transformers import StoppingCriteriaList
 
@@ -65,7 +69,7 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
               add_special_tokens=False)
     P = enc.input_ids.shape[1]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    stop = _StopAfterAnswer(tok, P, len(prompts) * n) if stop_after_answer else None
+    stop = _StopAfterAnswer(tok, P, len(prompts) * n, every16) if stop_after_answer else None
     out = model.generate(**enc, max_new_tokens=max_new_tokens, num_return_sequences=n, output_logits=True,
                          return_dict_in_generate=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **sampling)
@@ -115,10 +119,12 @@ class Generator(Actor):
         seed, threads: process seed and torch threads.
         replica: this replica's name (``generator`` or ``generator_<i>``); its staged weights are
             registered under it (:data:`forge_core.weight_sync.RECEIVERS`).
+        cores_dir: with ``threads`` 0, where the run's CPU actors share this host's cores
+            (:class:`forge_core.actors.CoreShare`).
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
-                 replica: str = "generator"):
+                 replica: str = "generator", cores_dir: str = ""):
         from omegaconf import OmegaConf
 
         from forge_core.models import ModelConfig
@@ -126,6 +132,7 @@ class Generator(Actor):
         self.g = OmegaConf.create(generator)
         self.name, self.system_prompt = replica, system_prompt
         setup_process(threads, seed)
+        self.cores = CoreShare(cores_dir, replica, threads)
         mc = ModelConfig(**model)
         self.tok = load_tokenizer(mc)
         from forge_core.actors import resolve_dtype
@@ -146,8 +153,9 @@ class Generator(Actor):
         g = self.g
         t0 = time.perf_counter()
         texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
-        outs = hf_generate(self.model, self.tok, texts, g.group_size, g.max_response_tokens, g.max_prompt_tokens,
-                           g.temperature, g.top_p, seed=seed)
+        with self.cores:
+            outs = hf_generate(self.model, self.tok, texts, g.group_size, g.max_response_tokens, g.max_prompt_tokens,
+                               g.temperature, g.top_p, seed=seed, every16=self.cores.refresh)
         dt = time.perf_counter() - t0
         eps = [Episode(prompt_id=problems[i // g.group_size].id, group=i // g.group_size,
                        target=problems[i // g.group_size].answer, prompt_ids=o["prompt_ids"],

@@ -16,7 +16,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_core import titan
-from forge_core.actors import init_device, setup_process
+from forge_core.actors import CoreShare, init_device, setup_process
 from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.episode import Episode
 from forge_core.weight_sync import WeightHandle, layout_views, open_ipc
@@ -37,15 +37,17 @@ class Reference(Actor):
         compile: ``torch.compile`` each block (GPU).
         seq_len: longest prompt + response (tokens).
         seed, threads: process seed and torch threads.
-        gpus, per_node, port: as for :class:`forge_core.actors.trainer.Trainer`.
+        gpus, per_node, port, cores_dir: as for :class:`forge_core.actors.trainer.Trainer`.
     """
 
     def __init__(self, model: dict, *, device: str, dtype: str, temperature: float, micro_batch_size: int,
                  seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0, port: int = 0,
-                 tokens_per_micro_batch: int = 0, logprob_chunk: int = 1024, compile: bool = False):
+                 tokens_per_micro_batch: int = 0, logprob_chunk: int = 1024, compile: bool = False,
+                 cores_dir: str = ""):
         from monarch.actor import current_rank
 
         setup_process(threads, seed)
+        self.cores = CoreShare(cores_dir, "reference", threads)
         from forge_core.actors import resolve_dtype
 
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
@@ -126,8 +128,9 @@ class Reference(Actor):
         the episodes another rank computed), seconds)``; merge the ranks' lists by index."""
         t0 = time.perf_counter()
         out: list = [None] * len(episodes)
-        with torch.no_grad():
+        with torch.no_grad(), self.cores:
             for idx, dummy in micro_batches(episodes, self.rank, self.world, self.micro_batch_size, self.budget):
+                self.cores.refresh()
                 R = max(max(len(episodes[i].response_ids) for i in idx), 1)
                 lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget, self.chunk,
                                  self.select).cpu()

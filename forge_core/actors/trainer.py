@@ -25,7 +25,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_core import titan
-from forge_core.actors import init_device, resolve_dtype, setup_process
+from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
 from forge_core.losses import compute_loss
 from forge_core.weight_sync import Sender, StagingBuffer, WeightHandle
@@ -118,11 +118,14 @@ class Trainer(Actor):
         weight_sync: the ``weight_sync`` config section (bucket size, timeout).
         shared_gb: GPU memory (GB) others hold on this rank's GPU (a reference sharing it, a
             sleeping colocated engine), for the activation-checkpointing estimate.
+        cores_dir: with ``threads`` 0, the directory through which the run's CPU actors of this
+            host share its cores (:class:`forge_core.actors.CoreShare`).
     """
 
     def __init__(self, trainer: dict, model: dict, loss: dict, *, device: str, publish_dtype: str, temperature: float,
                  max_response_tokens: int, seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0,
-                 port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0):
+                 port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0,
+                 cores_dir: str = ""):
         from monarch.actor import current_rank
         from omegaconf import OmegaConf
 
@@ -130,6 +133,7 @@ class Trainer(Actor):
 
         self.t = OmegaConf.create(trainer)
         setup_process(threads, seed)
+        self.cores = CoreShare(cores_dir, "trainer", threads)
         self.world = max(len(gpus), 1)
         self.rank = current_rank().rank if self.world > 1 else 0
         self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
@@ -224,6 +228,10 @@ class Trainer(Actor):
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> dict:
+        with self.cores:
+            return self._train_step(episodes)
+
+    def _train_step(self, episodes: list[Episode]) -> dict:
         """One optimizer step on ``episodes`` (which carry advantages, behaviour and ref logprobs).
 
         Every micro-batch runs forward and backward even when its loss is not finite (with FSDP the
@@ -247,6 +255,7 @@ class Trainer(Actor):
         dev = lambda x, idx: None if x is None else x[idx].to(self.device, non_blocking=True)
         try:
             for idx, dummy in micro_batches(episodes, self.rank, self.world, self.t.micro_batch_size, self.budget):
+                self.cores.refresh()
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                     lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget,
                                      self.t.logprob_chunk, self.select)
