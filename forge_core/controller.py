@@ -135,7 +135,11 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
     for i, g in enumerate(svc.generators):
         same = g.slot.host == t.slot.host
         if not same and g.slot.host in leader:
-            routes.append(("follow", leader[g.slot.host]))
+            j = leader[g.slot.host]
+            routes.append(("follow", j))
+            print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {svc.generators[j].name} (node "
+                  f"{g.slot.host}): follow (loads its staged copy over ipc: the bytes cross to a node once)",
+                  file=sys.stderr, flush=True)
             continue
         how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
         if how == "nccl":
