@@ -176,6 +176,7 @@ class Controller:
         self.buffered = 0
         self.rollout_busy = False
         self.paused = False  # set while a checkpoint is written
+        self.loading = False  # set while the replicas load a new version (rollouts wait: see _rollouts)
         self.sync_task: Optional[asyncio.Task] = None
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
@@ -361,7 +362,8 @@ class Controller:
         while True:
             async with self.changed:
                 await self.changed.wait_for(
-                    lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made))
+                    lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
+                    and not self.loading)  # else the first replica to load the new version takes every group
                 self.rollout_busy = True
                 problems = self.source.next_batch(cfg.prompts_per_step)
                 k = self.batches_made
@@ -445,7 +447,14 @@ class Controller:
                     self.changed.notify_all()
                 return r
 
-            loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+            async with self.changed:
+                self.loading = True
+            try:
+                loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+            finally:
+                async with self.changed:
+                    self.loading = False
+                    self.changed.notify_all()
             failed = [g for g in loaded if isinstance(g, tuple)]
         if failed:
             for i, e in failed:

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.environ.get("GSM8K_DIR", "")
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
         "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3"]
-slow = [pytest.mark.slow, pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")]
+needs_data = pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")
 
 
 # ---- Dispatcher (pure bookkeeping) ---------------------------------------------------------------
@@ -194,3 +194,223 @@ def test_layout_errors_name_the_key():
     load_config("smollm2_135m", ["layout.nodes=2", "layout.generator.host=1"])
     load_config("qwen3_1_7b", ["layout.gpus_per_node=8", "layout.generator.replicas=3", "layout.generator.tp=2"])
     load_config("smollm2_135m", ["layout.generator.replicas=3"])  # CPU: no GPU count
+
+
+# ---- replica dispatch through real actors ------------------------------------------------------
+
+def _problems(n: int, seed: int = 0) -> list:
+    from forge_core.data import PromptSource, load_gsm8k
+
+    return PromptSource(load_gsm8k("train", GSM8K_DIR), seed).next_batch(n)
+
+
+def _check_batch(eps: list, problems: list, G: int) -> dict:
+    """Episodes in problem order, G per problem, each group from one replica; returns {group: replica}."""
+    assert len(eps) == len(problems) * G
+    owner = {}
+    for j, e in enumerate(eps):
+        assert e.group == j // G and e.prompt_id == problems[j // G].id and e.target == problems[j // G].answer
+        owner.setdefault(e.group, set()).add(e.replica)
+    assert all(len(r) == 1 for r in owner.values()), owner  # a group is never split over replicas
+    for g in range(len(problems)):  # the G samples of a group share their prompt
+        assert len({tuple(e.prompt_ids) for e in eps[g * G:(g + 1) * G]}) == 1
+    return {g: r.pop() for g, r in owner.items()}
+
+
+@pytest.mark.slow
+@needs_data
+def test_replicas_dispatch_through_controller(tmp_path):
+    """3 CPU replicas behind the real Controller: every prompt served once, whole groups per replica,
+    problem order kept, each episode carrying the version of the replica that sampled it."""
+    from forge_core.advantages import compute_advantages
+    from forge_core.controller import Controller
+    from forge_core.data import PromptSource, load_gsm8k
+    from forge_core.services import call, spawn_services
+
+    cfg = load_config("smollm2_135m", TINY + ["layout.generator.replicas=3", "generator.dtype=float32"])
+    G = cfg.generator.group_size
+
+    async def go():
+        c = Controller(cfg, str(tmp_path), progress=False)
+        c.source = PromptSource(load_gsm8k("train", GSM8K_DIR), 0)
+        c.svc = await spawn_services(cfg)
+        try:
+            await c.start()
+            gens = c.svc.generators
+            assert [g.name for g in gens] == ["generator_0", "generator_1", "generator_2"]
+            assert c.routes == [("ipc", 0)] * 3 and c.versions == [0, 0, 0]
+
+            problems = _problems(6)
+            eps, st = await c._generate(problems, 0, [0, 1, 2])
+            owner = _check_batch(eps, problems, G)
+            per = [sum(1 for r in owner.values() if r == i) for i in range(3)]
+            print(f"\n[scale] batch 0: groups per replica {per}, {st['gen_tok_s']:.0f} tok/s")
+            assert per == [2, 2, 2] and st["gen_replicas"] == 3  # nothing measured yet: an even split
+            assert c.dispatcher.outstanding == [0, 0, 0] and all(c.dispatcher.rate)
+            assert all(e.policy_version == 0 for e in eps)
+
+            # one real training step, and only replica 1 loads version 1
+            eps = await call("reward", c.svc.reward.score, eps)
+            lists, _ = await call("reference", c.svc.reference.logprobs, eps)
+            for e, lp in zip(eps, lists):
+                e.ref_logprobs = lp
+            for e in eps:
+                e.advantage = 1.0 if e.group % 2 == 0 else -1.0  # a random model's rewards are all 0: force signal
+            m = await call("trainer", c.svc.trainer.train_step, eps)
+            assert m["version"] == 1 and not m["skipped"]
+            h = await call("trainer", c.svc.trainer.publish)
+            c.versions[1] = (await call("generator_1", gens[1].update_weights, h))["version"]
+            versions = [await call(g.name, g.get_version) for g in gens]
+            assert versions == [0, 1, 0] == c.versions
+            assert c._eligible(1) == [0, 1, 2] and c._eligible(2) == [1]  # staleness bound S=1
+
+            problems = _problems(6, seed=1)
+            eps, st = await c._generate(problems, 1, [0, 1, 2])
+            owner = _check_batch(eps, problems, G)
+            assert all(e.policy_version == versions[e.replica] for e in eps), [(e.replica, e.policy_version) for e in eps]
+            problems = _problems(5, seed=2)  # only the fresh replica is eligible: it takes every group
+            eps, st = await c._generate(problems, 2, c._eligible(2))
+            owner = _check_batch(eps, problems, G)
+            assert set(owner.values()) == {1} and st["gen_replicas"] == 1
+            assert all(e.policy_version == 1 for e in eps)
+            # a full weight sync brings every replica to the trainer's version again
+            await c.publish_and_sync()
+            assert c.versions == [1, 1, 1] == [await call(g.name, g.get_version) for g in gens]
+            digests = {await call(g.name, g.weights_digest) for g in gens}
+            assert digests == {await call("trainer", c.svc.trainer.weights_digest)}
+        finally:
+            await c.shutdown()
+
+    asyncio.run(go())
+
+
+def _run(args: list, run_id: str, out, timeout: int = 600, env_extra: dict | None = None) -> tuple[int, str]:
+    env = dict(os.environ, FORGE_RUN_ID=run_id, WANDB_MODE="disabled", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={out}", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout
+
+
+def _rows(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(l) for l in f]
+
+
+@pytest.mark.slow
+@needs_data
+def test_cli_three_replicas_staleness_bound(tmp_path):
+    t0 = time.perf_counter()
+    rc, out = _run(["layout.generator.replicas=3", "max_staleness=1", "prompts_per_step=3", "steps=4"], "rep3", tmp_path)
+    assert rc == 0, out[-3000:]
+    rows = _rows(tmp_path / "rep3" / "metrics.jsonl")
+    print(f"\n[scale] 3 replicas, S=1: {time.perf_counter() - t0:.0f} s; per step (staleness_max, gen_replicas, "
+          f"generator_version): {[(r['staleness_max'], r['gen_replicas'], r['generator_version']) for r in rows]}")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert all("gen_replicas" in r for r in rows) and rows[0]["gen_replicas"] == 3
+    # after a weight sync the batch goes over the replicas, not all to the first one to load the new version
+    assert sum(r["gen_replicas"] for r in rows[1:]) / len(rows[1:]) >= 2, [r["gen_replicas"] for r in rows]
+    assert rows[-1]["policy_version"] == 4
+    actors = json.loads((tmp_path / "rep3" / "actors.json").read_text())
+    assert {"generator_0", "generator_1", "generator_2"} <= set(actors)
+    assert out.count("weight sync: generator_") == 3 and out.count(": ipc (auto: same host)") == 3
+
+
+@pytest.mark.slow
+@needs_data
+def test_cli_nccl_transport_two_replicas(tmp_path):
+    """weight_sync.transport=nccl on one machine: each replica joins the gloo group as its own member."""
+    t0 = time.perf_counter()
+    rc, out = _run(["layout.generator.replicas=2", "weight_sync.transport=nccl", "weight_sync.bucket_mb=1",
+                    "steps=3"], "nccl", tmp_path)
+    assert rc == 0, out[-3000:]
+    rows = _rows(tmp_path / "nccl" / "metrics.jsonl")
+    print(f"\n[scale] nccl (gloo), 2 replicas: {time.perf_counter() - t0:.0f} s; weight_transfer_s "
+          f"{[round(r['weight_transfer_s'], 3) for r in rows]}, exposed {[round(r['weight_sync_exposed_s'], 4) for r in rows]}")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["weight_transfer_s"] > 0 for r in rows)
+    assert all(r["staleness_max"] <= 1 for r in rows) and rows[-1]["policy_version"] == 3
+    assert "generator_0 (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out
+    assert "generator_1 (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out
+
+
+# ---- the staged (network) sync while generating ------------------------------------------------
+
+@pytest.mark.slow
+@needs_data
+def test_staged_sync_generation_goes_on_during_transfer():
+    """The test process plays the trainer (a TorchTitan tiny model's HF-layout weights in a staging
+    buffer, a Sender); one CPU generator replica's WeightReceiver fetches over nccl (gloo) while the
+    sender's broadcast is deliberately held back: the replica keeps generating at its old version,
+    the swap happens between generate calls, and the weights are bit-identical after it. Then rdma."""
+    from forge_core import titan
+    from forge_core.layout import plan_layout
+    from forge_core.services import call, spawn_service
+    from forge_core.weight_sync import Sender, StagingBuffer
+
+    cfg = load_config("smollm2_135m", TINY + ["weight_sync.bucket_mb=1"])  # bf16 generator; 1 MiB buckets
+    hold_s = 4.0
+
+    async def go():
+        plan = plan_layout(cfg)
+        g = await spawn_service(cfg, "generator", plan.generators[0], plan, None, "generator")
+        sender = None
+        try:
+            spec = titan.titan_model_args(cfg.model.name)
+            buf = StagingBuffer(titan.hf_layout(spec), getattr(torch, cfg.generator.dtype), "cpu")
+            buf.fill(titan.named_hf_tensors(titan.build_model(spec, torch.device("cpu"), seed=123), spec,
+                                            dtype=buf.dtype))
+            old = await call("generator", g.weights_digest)
+            assert old != buf.digest()
+            sender = Sender("127.0.0.1", 120)
+            handle = buf.handle(1, group=sender.info(2, 0))
+            assert handle.nbytes > 3 << 20  # several 1 MiB buckets
+
+            t0 = time.perf_counter()
+            fetch = asyncio.create_task(call("receiver", g.receiver.fetch, handle, "nccl", 1, timeout_s=120))
+            gens = []
+            for i in range(2):
+                eps, _ = await call("generator", g.generate, _problems(2, seed=i), i)
+                gens.append(time.perf_counter() - t0)
+                assert all(e.policy_version == 0 for e in eps)
+                assert not fetch.done(), "the fetch returned before the sender started broadcasting"
+            await asyncio.sleep(max(hold_s - (time.perf_counter() - t0), 0))
+            assert not fetch.done()
+            assert await call("generator", g.weights_digest) == old  # nothing swapped yet
+            t_start = time.perf_counter() - t0
+            sender.start(buf.flat, cfg.weight_sync.bucket_mb << 20)
+            got = await fetch
+            t_fetch = time.perf_counter() - t0
+            assert sender.wait() is None
+            print(f"\n[scale] nccl staged: generate calls returned at {[round(x, 2) for x in gens]} s, broadcast "
+                  f"started at {t_start:.2f} s, fetch done at {t_fetch:.2f} s ({handle.nbytes / 1e6:.1f} MB)")
+            assert max(gens) < t_start < t_fetch and got["transfer_s"] > 0
+            assert await call("generator", g.weights_digest) == old  # staged beside the engine, not loaded
+            eps, _ = await call("generator", g.generate, _problems(2, seed=5), 5)
+            assert all(e.policy_version == 0 for e in eps)
+            r = await call("generator", g.update_weights, handle, True)  # the swap, between two generate calls
+            assert r["version"] == 1 and r["mode"] == "staged"
+            assert await call("generator", g.weights_digest) == buf.digest()  # bit-identical
+            assert await call("generator", g.get_version) == 1
+            eps, _ = await call("generator", g.generate, _problems(2, seed=6), 6)
+            assert all(e.policy_version == 1 for e in eps)
+
+            # rdma (Monarch RDMABuffer; its TCP fallback on this CPU machine), generating meanwhile
+            buf.fill(titan.named_hf_tensors(titan.build_model(spec, torch.device("cpu"), seed=7), spec, dtype=buf.dtype))
+            handle = buf.handle(2, rdma=True)
+            fetch = asyncio.create_task(call("receiver", g.receiver.fetch, handle, "rdma", 0, timeout_s=120))
+            eps, _ = await call("generator", g.generate, _problems(2, seed=8), 8)
+            assert all(e.policy_version == 1 for e in eps)
+            got = await fetch
+            assert got["transfer_s"] > 0
+            assert await call("generator", g.weights_digest) != buf.digest()
+            r = await call("generator", g.update_weights, handle, True)
+            assert r["version"] == 2 and await call("generator", g.weights_digest) == buf.digest()
+            print(f"[scale] rdma staged: {got['transfer_s']:.3f} s, {got['gb_s']:.2f} GB/s")
+        finally:
+            if sender is not None:
+                sender.wait()
+            await g.stop()
+
+    asyncio.run(go())
