@@ -420,7 +420,11 @@ class Controller:
         gens = self.svc.generators
         handle = await self._publish()
         t0 = time.perf_counter()
-        timeout = self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s
+        cfg = self.cfg
+        timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
+        # a load is a local copy, queued behind at most one generate call (a whole batch) of its replica
+        load_timeout = self._deadline(cfg.prompts_per_step * cfg.generator.group_size *
+                                      cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
 
         async def guard(i: int, what: Any) -> Any:
             try:
@@ -441,7 +445,7 @@ class Controller:
             async def load(i: int) -> dict:
                 t, j = self.routes[i]
                 args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
-                r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=timeout)
+                r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=load_timeout)
                 async with self.changed:
                     self.versions[i] = r["version"]
                     self.changed.notify_all()
