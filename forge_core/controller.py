@@ -555,13 +555,13 @@ class Controller:
                 wait_s = time.perf_counter() - t0
                 if rollouts.done():
                     rollouts.result()  # re-raise a rollout failure
-                stats = _batch_stats(episodes, self.step)
                 tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
                 tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
                 if tm["skipped"]:
                     self._skip(tm)
                     continue
                 self.bad_in_a_row = 0
+                stats = _batch_stats(episodes, self.step)  # of a trained batch (a NaN reward broke pstdev)
                 if self.sync_task is not None:
                     await self.sync_task  # receivers may still read the buffer publish overwrites
                 prev_sync = dict(self.last_sync)
