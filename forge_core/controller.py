@@ -212,7 +212,8 @@ class Controller:
             torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
             with open(os.path.join(tmp, "controller.json"), "w") as f:
                 json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
-                           "generator_version": min(self.versions)}, f)
+                           "generator_version": min(self.versions), "skipped_batches": self.skipped_batches,
+                           "checkpoint_failures": self.checkpoint_failures, "restarts": self.restarts}, f)
             checkpoint.write_manifest(tmp, self.step)
         except (ActorFailed, OSError, RuntimeError) as e:
             if not checkpoint.disk_full(e):
@@ -239,6 +240,10 @@ class Controller:
         with open(os.path.join(path, "controller.json")) as f:
             st = json.load(f)
         self.step, self.batches_made = st["step"], st["batches_made"]
+        # the metrics' fault counters go on from the checkpoint's (older checkpoints: from 0)
+        self.skipped_batches = st.get("skipped_batches", 0)
+        self.checkpoint_failures = st.get("checkpoint_failures", 0)
+        self.restarts.update(st.get("restarts", {}))
         self.source.load_state_dict(st["source"])
         held = torch.load(os.path.join(path, "buffer.pt"), weights_only=False)["episodes"]
         await call("replay_buffer", s.buffer.restore, held)
