@@ -216,7 +216,7 @@ class Controller:
                            "checkpoint_failures": self.checkpoint_failures, "restarts": self.restarts}, f)
             checkpoint.write_manifest(tmp, self.step)
         except (ActorFailed, OSError, RuntimeError) as e:
-            if not checkpoint.disk_full(e):
+            if not checkpoint.disk_full(e, self.ckpt_root):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             self.checkpoint_failures += 1
