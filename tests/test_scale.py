@@ -333,6 +333,10 @@ def test_cli_nccl_transport_two_replicas(tmp_path):
     assert all(r["staleness_max"] <= 1 for r in rows) and rows[-1]["policy_version"] == 3
     assert "generator_0 (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out
     assert "generator_1 (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out
+    # every process's staging buffer (the trainer's, each receiver's) is gone from /dev/shm after the run
+    pids = [a["pid"] for a in json.loads((tmp_path / "nccl" / "actors.json").read_text()).values()]
+    if os.path.isdir("/dev/shm"):
+        assert not [n for n in os.listdir("/dev/shm") if any(n.startswith(f"forge-weights-{p}-") for p in pids)]
 
 
 # ---- the staged (network) sync while generating ------------------------------------------------
@@ -356,9 +360,9 @@ def test_staged_sync_generation_goes_on_during_transfer():
         plan = plan_layout(cfg)
         g = await spawn_service(cfg, "generator", plan.generators[0], plan, None, "generator")
         sender = None
+        spec = titan.titan_model_args(cfg.model.name)
+        buf = StagingBuffer(titan.hf_layout(spec), getattr(torch, cfg.generator.dtype), "cpu")
         try:
-            spec = titan.titan_model_args(cfg.model.name)
-            buf = StagingBuffer(titan.hf_layout(spec), getattr(torch, cfg.generator.dtype), "cpu")
             buf.fill(titan.named_hf_tensors(titan.build_model(spec, torch.device("cpu"), seed=123), spec,
                                             dtype=buf.dtype))
             old = await call("generator", g.weights_digest)
@@ -412,5 +416,6 @@ def test_staged_sync_generation_goes_on_during_transfer():
             if sender is not None:
                 sender.wait()
             await g.stop()
+            buf.close()
 
     asyncio.run(go())
