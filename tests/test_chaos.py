@@ -246,7 +246,7 @@ def test_kill_services_at_random_points(tmp_path, run_no):
         services.insert(hang_at, "generator")
         sig[hang_at] = signal.SIGSTOP
     plan = _plan(rng, services, first=2, gap=2)
-    steps = plan[-1][0] + 3  # every service is called again after the last fault
+    steps = plan[-1][0] + 4  # every service is called again after the last fault
     run = Run(tmp_path, f"kill{run_no}", [f"steps={steps}", "fault.max_restarts=10", *FAST_FAULTS])
     try:
         injected = _inject(run, plan, sig)
