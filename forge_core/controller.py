@@ -221,7 +221,8 @@ class Controller:
             shutil.rmtree(tmp, ignore_errors=True)
             self.checkpoint_failures += 1
             prev = checkpoint.complete(self.ckpt_root)
-            lines = [l.strip() for l in str(e.__cause__ or e).splitlines() if l.strip()]  # an actor's: its exception
+            # the last line of an actor's error is its exception (the lines before: a traceback)
+            lines = [l.strip() for l in str(e.__cause__ or e).splitlines() if l.strip()] or [repr(e)]
             checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({lines[-1][:200]}); "
                             f"{'the previous checkpoint ' + prev[-1] + ' is intact' if prev else 'no earlier checkpoint'}")
             return None
