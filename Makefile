@@ -9,13 +9,14 @@ PY := .venv/bin/python
 GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 export GSM8K_DIR
 
-.PHONY: help venv run eval check test test-fast bench-losses clean
+.PHONY: help venv run eval check test test-fast chaos bench-losses clean
 
 help:
 	@echo "make run   [RECIPE=smollm2_135m] [ARGS='trainer.lr=1e-6 steps=5']   train GRPO (local)"
 	@echo "make eval  [RECIPE=...] [CKPT=runs/<recipe>/<run>/final]            greedy GSM8K test accuracy"
 	@echo "make check [RECIPE=...] [ARGS=...]                                  print the resolved config"
 	@echo "make test                                                           the test suite (CI)"
+	@echo "make chaos                                                          fault injection into CPU runs (a table)"
 	@echo "make bench-losses                                                   loss fwd+bwd vs logprob time"
 	@echo "make slurm RECIPE=... [CLUSTER=dev] [NODES=n] [DRY_RUN=1]            submit through submitit"
 	@echo "make slurm-logs | slurm-status | slurm-cancel                       the last SLURM job"
@@ -50,6 +51,10 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests
+
+# kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root): ~5 min
+chaos: venv
+	$(PY) -m pytest -s -m chaos tests
 
 bench-losses: venv
 	$(PY) -m benchmarks.bench_losses

@@ -106,13 +106,23 @@ def rotate(root: str, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def disk_full(e: BaseException) -> bool:
-    """Whether ``e`` (an OSError, or an actor's error carrying one as text) says the disk is full."""
+def disk_full(e: BaseException, path: Optional[str] = None, low_bytes: int = 16 << 20) -> bool:
+    """Whether ``e`` (an OSError, or an actor's error carrying one as text) says the disk is full,
+    or, when ``path`` is given, the write failed with the filesystem of ``path`` (nearly) full:
+    ``torch.save`` reports a short write only as ``RuntimeError: [enforce fail at
+    inline_container.cc] ... unexpected pos``, without the errno."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(e)
-    return any(s in text for s in ("No space left on device", "Errno 28", "code: 28", "StorageFull",
-                                   "Disk quota exceeded"))
+    if any(s in text for s in ("No space left on device", "Errno 28", "code: 28", "StorageFull",
+                               "Disk quota exceeded")):
+        return True
+    if path is not None:
+        try:
+            return shutil.disk_usage(path).free < low_bytes
+        except OSError:
+            return False
+    return False
 
 
 def warn(msg: str) -> None:

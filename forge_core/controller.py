@@ -135,7 +135,11 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
     for i, g in enumerate(svc.generators):
         same = g.slot.host == t.slot.host
         if not same and g.slot.host in leader:
-            routes.append(("follow", leader[g.slot.host]))
+            j = leader[g.slot.host]
+            routes.append(("follow", j))
+            print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {svc.generators[j].name} (node "
+                  f"{g.slot.host}): follow (loads its staged copy over ipc: the bytes cross to a node once)",
+                  file=sys.stderr, flush=True)
             continue
         how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
         if how == "nccl":
@@ -172,6 +176,7 @@ class Controller:
         self.buffered = 0
         self.rollout_busy = False
         self.paused = False  # set while a checkpoint is written
+        self.loading = False  # set while the replicas load a new version (rollouts wait: see _rollouts)
         self.sync_task: Optional[asyncio.Task] = None
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
@@ -207,15 +212,18 @@ class Controller:
             torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
             with open(os.path.join(tmp, "controller.json"), "w") as f:
                 json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
-                           "generator_version": min(self.versions)}, f)
+                           "generator_version": min(self.versions), "skipped_batches": self.skipped_batches,
+                           "checkpoint_failures": self.checkpoint_failures, "restarts": self.restarts}, f)
             checkpoint.write_manifest(tmp, self.step)
         except (ActorFailed, OSError, RuntimeError) as e:
-            if not checkpoint.disk_full(e):
+            if not checkpoint.disk_full(e, self.ckpt_root):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             self.checkpoint_failures += 1
             prev = checkpoint.complete(self.ckpt_root)
-            checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({str(e)[:200]}); "
+            # the last line of an actor's error is its exception (the lines before: a traceback)
+            lines = [l.strip() for l in str(e.__cause__ or e).splitlines() if l.strip()] or [repr(e)]
+            checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({lines[-1][:200]}); "
                             f"{'the previous checkpoint ' + prev[-1] + ' is intact' if prev else 'no earlier checkpoint'}")
             return None
         shutil.rmtree(final, ignore_errors=True)
@@ -234,6 +242,10 @@ class Controller:
         with open(os.path.join(path, "controller.json")) as f:
             st = json.load(f)
         self.step, self.batches_made = st["step"], st["batches_made"]
+        # the metrics' fault counters go on from the checkpoint's (older checkpoints: from 0)
+        self.skipped_batches = st.get("skipped_batches", 0)
+        self.checkpoint_failures = st.get("checkpoint_failures", 0)
+        self.restarts.update(st.get("restarts", {}))
         self.source.load_state_dict(st["source"])
         held = torch.load(os.path.join(path, "buffer.pt"), weights_only=False)["episodes"]
         await call("replay_buffer", s.buffer.restore, held)
@@ -357,7 +369,8 @@ class Controller:
         while True:
             async with self.changed:
                 await self.changed.wait_for(
-                    lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made))
+                    lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
+                    and not self.loading)  # else the first replica to load the new version takes every group
                 self.rollout_busy = True
                 problems = self.source.next_batch(cfg.prompts_per_step)
                 k = self.batches_made
@@ -414,7 +427,11 @@ class Controller:
         gens = self.svc.generators
         handle = await self._publish()
         t0 = time.perf_counter()
-        timeout = self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s
+        cfg = self.cfg
+        timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
+        # a load is a local copy, queued behind at most one generate call (a whole batch) of its replica
+        load_timeout = self._deadline(cfg.prompts_per_step * cfg.generator.group_size *
+                                      cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
 
         async def guard(i: int, what: Any) -> Any:
             try:
@@ -435,13 +452,20 @@ class Controller:
             async def load(i: int) -> dict:
                 t, j = self.routes[i]
                 args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
-                r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=timeout)
+                r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=load_timeout)
                 async with self.changed:
                     self.versions[i] = r["version"]
                     self.changed.notify_all()
                 return r
 
-            loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+            async with self.changed:
+                self.loading = True
+            try:
+                loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+            finally:
+                async with self.changed:
+                    self.loading = False
+                    self.changed.notify_all()
             failed = [g for g in loaded if isinstance(g, tuple)]
         if failed:
             for i, e in failed:
@@ -538,13 +562,13 @@ class Controller:
                 wait_s = time.perf_counter() - t0
                 if rollouts.done():
                     rollouts.result()  # re-raise a rollout failure
-                stats = _batch_stats(episodes, self.step)
                 tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
                 tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
                 if tm["skipped"]:
                     self._skip(tm)
                     continue
                 self.bad_in_a_row = 0
+                stats = _batch_stats(episodes, self.step)  # of a trained batch (a NaN reward broke pstdev)
                 if self.sync_task is not None:
                     await self.sync_task  # receivers may still read the buffer publish overwrites
                 prev_sync = dict(self.last_sync)

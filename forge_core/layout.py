@@ -73,7 +73,8 @@ def plan_layout(cfg: Any, heads: Optional[int] = None) -> Plan:
     g = L.generator
     if int(g.replicas) < 1 or int(g.tp) < 1:
         raise LayoutError(f"layout.generator.replicas={g.replicas} and layout.generator.tp={g.tp} must be >= 1")
-    for key, host in [("layout.generator.hosts", h) for h in generator_hosts(L)] + [
+    gkey = "layout.generator.hosts" if list(g.hosts) else "layout.generator.host"
+    for key, host in [(gkey, h) for h in generator_hosts(L)] + [
             ("layout.trainer.host", L.trainer.host), ("layout.reference.host", L.reference.host)]:
         if not 0 <= int(host) < int(L.nodes):
             raise LayoutError(f"{key}: node {host} is outside layout.nodes={L.nodes}")
@@ -83,6 +84,21 @@ def plan_layout(cfg: Any, heads: Optional[int] = None) -> Plan:
         return Plan([Slot(h) for h in generator_hosts(L)], Slot(int(L.trainer.host)), Slot(int(L.reference.host)))
     n = int(L.gpus_per_node)
     used: dict[int, int] = {}
+    if n > 1:  # every node's whole demand first, so the message names each key that asks for GPUs there
+        t, r = L.trainer, L.reference
+        asks: dict[int, list] = {}
+        ghosts = generator_hosts(L)
+        for h in sorted(set(ghosts)):
+            k = ghosts.count(h)
+            asks.setdefault(h, []).append((k * int(g.tp), f"layout.generator.replicas x layout.generator.tp = "
+                                                          f"{k} x {g.tp}" + (" on this node" if k < int(g.replicas) else "")))
+        asks.setdefault(int(t.host), []).append((max(int(t.gpus), 1), f"layout.trainer.gpus={t.gpus}"))
+        if not (int(r.gpus) == 0 and r.host == t.host):
+            asks.setdefault(int(r.host), []).append((max(int(r.gpus), 1), f"layout.reference.gpus={r.gpus}"))
+        for h, a in sorted(asks.items()):
+            if sum(k for k, _ in a) > n:
+                raise LayoutError(f"layout: node {h} has {n} GPUs (layout.gpus_per_node={n}) but the services placed "
+                                  f"there ask for {sum(k for k, _ in a)}: {', '.join(w for _, w in a)}")
 
     def take(host: int, k: int, key: str) -> list:
         if n <= 1:

@@ -128,22 +128,29 @@ class Service:
 
     async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
         """Stop the service's processes within ``timeout_s`` seconds; errors are ignored (an actor
-        still busy with a cancelled call misses its deadline). With ``kill``, processes of this host
-        that are still there afterwards (a hung, e.g. stopped, process) get SIGKILL."""
+        still busy with a cancelled call misses its deadline). With ``kill`` (a failed service being
+        replaced), its processes on this host get SIGKILL first: a hung (e.g. stopped) process would
+        only let the stop run into its timeout. Shared-memory weight buffers the processes of this
+        host left in /dev/shm are removed (a process killed or stopped never removes its own)."""
+        import socket
+
+        from forge_core.weight_sync import remove_shm_buffers
+
+        local = [w["pid"] for w in self.where if w["hostname"] == socket.gethostname()]
+        if kill:
+            import signal
+
+            for pid in local:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         try:
             await asyncio.wait_for(self.procs.stop(), timeout=timeout_s)
         except Exception:
             pass
-        if kill:
-            import signal
-            import socket
-
-            for w in self.where:
-                if w["hostname"] == socket.gethostname():
-                    try:
-                        os.kill(w["pid"], signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+        for pid in local:
+            remove_shm_buffers(pid)
 
 
 @dataclass

@@ -117,6 +117,18 @@ _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 _LOCAL: dict = {}  # (pid, id) -> tensor: buffers of this process, opened by ipc without a round trip
 
 
+def remove_shm_buffers(pid: int) -> None:
+    """Remove the shared-memory files of the CPU staging buffers process ``pid`` of this host
+    created (after the process ended: nobody maps them by name any more)."""
+    if _SHM_DIR:
+        for name in os.listdir(_SHM_DIR):
+            if name.startswith(f"forge-weights-{pid}-"):
+                try:
+                    os.unlink(os.path.join(_SHM_DIR, name))
+                except FileNotFoundError:
+                    pass
+
+
 class StagingBuffer:
     """Every published tensor back to back (``layout`` order) in ``dtype`` on ``device``; CPU
     buffers live in a shared-memory file so that processes of the same host can map them.

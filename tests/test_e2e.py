@@ -152,7 +152,9 @@ def test_ctrl_c_stops_every_actor_and_keeps_outputs(tmp_path):
 
 
 def test_dead_actor_is_named_and_outputs_survive(tmp_path):
-    p = _run(["steps=200", "checkpoint.every=1"], "dead", tmp_path, start_new_session=True)
+    # no respawn allowed (fault.max_restarts=0): the run stops at the first death, naming the actor
+    # (respawns are tests/test_chaos.py's)
+    p = _run(["steps=200", "checkpoint.every=1", "fault.max_restarts=0"], "dead", tmp_path, start_new_session=True)
     run = tmp_path / "dead"
     deadline = time.time() + 300
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_rows(run / "metrics.jsonl")) >= 1):

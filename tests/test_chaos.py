@@ -1,0 +1,445 @@
+"""Chaos: faults injected from outside into real CPU runs of the tiny model (``make chaos``).
+
+kill -9 of the generator, reward and reference processes at seeded random points, a hang
+(SIGSTOP), a NaN loss (a reward function that returns NaN once), damaged checkpoints before a
+resume (a truncated newest one, one without a manifest), a full disk during a save (a small tmpfs)
+and the bad input of ``fault.max_restarts`` used up. Every surviving run must log steps 1..N
+exactly once, and its restart counters (faults.jsonl, the last metrics row) must match what was
+injected. With ``pytest -s`` the suite ends with a table; ``FORGE_CHAOS_SEED`` picks the points.
+Also a direct test of the trainer's non-finite guard through the real trainer actor.
+"""
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import psutil
+import pytest
+import torch
+
+from forge_core import checkpoint
+from forge_core.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR = os.environ.get("GSM8K_DIR", "")
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
+        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3"]
+# short deadlines, so that a hang is caught in ~10-20 s: call_timeout_s plus 0.01 s per token of work
+FAST_FAULTS = ["fault.call_timeout_s=10", "fault.timeout_per_token_s=0.01", "weight_sync.timeout_s=10"]
+SEED = int(os.environ.get("FORGE_CHAOS_SEED", "1234"))
+SERVICES = ("generator", "reward", "reference")
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")]
+
+RESULTS: list[dict] = []  # one per trial: fault, survived, lost, repeated, recover_s (list), note
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chaos_table():
+    t0 = time.perf_counter()
+    yield
+    if not RESULTS:
+        return
+    rows, order = {}, []
+    for r in RESULTS:
+        if r["fault"] not in rows:
+            order.append(r["fault"])
+            rows[r["fault"]] = {"trials": 0, "survived": 0, "lost": 0, "repeated": 0, "recover": [], "wall": [],
+                                "runs": set()}
+        a = rows[r["fault"]]
+        a["trials"] += 1
+        a["survived"] += bool(r["survived"])
+        if r["run"] not in a["runs"]:  # run-level figures once per run
+            a["runs"].add(r["run"])
+            a["lost"] += r["lost"]
+            a["repeated"] += r["repeated"]
+        a["recover"] += r.get("recover_s", [])
+        a["wall"] += r.get("wall_s", [])
+    head = (f"{'fault':<38} {'trials':>6} {'survived':>9} {'steps lost':>10} {'steps repeated':>14} "
+            f"{'time to recover':>16} {'fault to recovered':>19}")
+    print(f"\n\nchaos (seed {SEED}, {time.perf_counter() - t0:.0f} s)\n{head}\n{'-' * len(head)}")
+    for f in order:
+        a = rows[f]
+        mean = lambda xs: f"{sum(xs) / len(xs):.1f} s" if xs else "-"
+        print(f"{f:<38} {a['trials']:>6} {a['survived']:>9} {a['lost']:>10} {a['repeated']:>14} "
+              f"{mean(a['recover']):>16} {mean(a['wall']):>19}")
+    print("survived: the run finished every configured step (for 'max_restarts exhausted': it stopped as it should, "
+          "naming the actor, outputs intact). steps repeated: trained twice (a resume from an older checkpoint). "
+          "time to recover: mean recover_s of faults.jsonl (respawn + state); fault to recovered: from the signal to "
+          "that faults.jsonl line (detection included: a hang waits for its call's deadline)")
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+class Run:
+    """A CLI run in a subprocess (own session), its output in a log file."""
+
+    def __init__(self, tmp_path, run_id: str, args: list, out_dir=None, pythonpath: str = ""):
+        self.dir = os.path.join(str(out_dir or tmp_path), run_id)
+        self.log_path = os.path.join(str(tmp_path), f"{run_id}.log")
+        env = dict(os.environ, FORGE_RUN_ID=run_id, WANDB_MODE="disabled",
+                   PYTHONPATH=os.pathsep.join(p for p in (pythonpath, ROOT, os.environ.get("PYTHONPATH", "")) if p))
+        cmd = [sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={out_dir or tmp_path}",
+               *args]
+        self.t0 = time.perf_counter()
+        self.log = open(self.log_path, "a")
+        self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+    def output(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read().replace("\r", "\n")
+
+    def rows(self) -> list[dict]:
+        return _jsonl(os.path.join(self.dir, "metrics.jsonl"))
+
+    def faults(self) -> list[dict]:
+        return _jsonl(os.path.join(self.dir, "faults.jsonl"))
+
+    def pid(self, service: str) -> int:
+        for _ in range(50):  # rewritten after every respawn: retry a half-written file
+            try:
+                with open(os.path.join(self.dir, "actors.json")) as f:
+                    return json.load(f)[service]["pid"]
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        raise AssertionError("actors.json unreadable")
+
+    def wait_for(self, what: str, pred, timeout: float = 240) -> None:
+        deadline = time.time() + timeout
+        while not pred():
+            if self.p.poll() is not None:
+                raise AssertionError(f"run exited ({self.p.returncode}) while waiting for {what}:\n{self.output()[-4000:]}")
+            if time.time() > deadline:
+                self.kill()
+                raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"run did not finish in {timeout} s:\n{self.output()[-4000:]}")
+        self.log.close()
+        self.seconds = time.perf_counter() - self.t0
+        return rc
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line being written
+    return out
+
+
+def _steps_check(rows: list[dict], n: int) -> tuple[int, int]:
+    """(steps lost, steps logged twice) of a run configured for ``n`` steps."""
+    steps = [r["step"] for r in rows]
+    c = Counter(steps)
+    return len(set(range(1, n + 1)) - set(steps)), sum(v - 1 for v in c.values())
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _shm_left(pids: list) -> list:
+    """Shared-memory weight buffers (forge_core.weight_sync.StagingBuffer files) of ``pids`` still in /dev/shm."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith(f"forge-weights-{p}-") for p in pids)]
+
+
+def _plan(rng: random.Random, services: list, first: int, gap: int) -> list[tuple[int, str, float]]:
+    """(step threshold, service, extra delay s) per fault: thresholds ``gap`` or more steps apart."""
+    out, step = [], first
+    for s in services:
+        out.append((step, s, rng.uniform(0.0, 1.5)))
+        step += gap
+    return out
+
+
+# ---- kills and a hang ------------------------------------------------------------------------------
+
+def _inject(run: Run, plan: list, sig: dict) -> list[dict]:
+    """Inject each fault of ``plan`` once its step is logged (after a random delay), waiting for the
+    previous one to be recovered (its faults.jsonl line). Returns one record per fault."""
+    out = []
+    for i, (step, service, delay) in enumerate(plan):
+        run.wait_for(f"step {step}", lambda: len(run.rows()) >= step)
+        time.sleep(delay)
+        n_faults = len(run.faults())
+        pid = run.pid(service)
+        s = sig.get(i, signal.SIGKILL)
+        t_inject = time.perf_counter()
+        os.kill(pid, s)
+        run.wait_for(f"recovery from {s.name} of {service} (pid {pid})", lambda: len(run.faults()) > n_faults)
+        rec = run.faults()[n_faults]
+        detected_s = time.perf_counter() - t_inject
+        assert rec["service"] == service, rec
+        if s == signal.SIGSTOP:
+            assert "did not answer within" in rec["error"], rec  # caught by the deadline
+        new_pid = run.pid(service)
+        assert new_pid != pid
+        run.wait_for(f"the stopped/killed pid {pid} to be gone", lambda: _dead(pid), timeout=30)
+        out.append({"service": service, "signal": s.name, "at_step": len(run.rows()), "pid": pid, "new_pid": new_pid,
+                    "recover_s": rec["recover_s"], "wall_s": detected_s})
+    return out
+
+
+def _check_survivor(run: Run, steps: int, injected: list[dict], label: str) -> tuple[int, int]:
+    rc = run.finish()
+    out = run.output()
+    assert rc == 0, out[-4000:]
+    rows = run.rows()
+    lost, twice = _steps_check(rows, steps)
+    assert (lost, twice) == (0, 0) and [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
+    want = Counter(f["service"] for f in injected)
+    got = Counter(f["service"] for f in run.faults())
+    assert got == want, (got, want)  # one respawn per injected fault, none other
+    last = rows[-1]
+    for s in SERVICES:
+        assert last[f"restarts_{s}"] == want.get(s, 0), (s, last)
+    assert last["policy_version"] == steps and all(r["staleness_max"] <= 1 for r in rows)
+    assert out.count("respawned and back in") == len(injected)
+    print(f"\n[chaos] {label}: {len(injected)} faults in {run.seconds:.0f} s: " + ", ".join(
+        f"{f['signal'][3:].lower()} {f['service']} @step {f['at_step']} -> {f['recover_s']:.1f} s" for f in injected))
+    return lost, twice
+
+
+@pytest.mark.parametrize("run_no", [0, 1])
+def test_kill_services_at_random_points(tmp_path, run_no):
+    """Two runs, five kill -9 each at seeded random points (3+ per service over both), the second
+    with a SIGSTOP (hang) as well: each is respawned, no step lost or repeated, counters exact."""
+    rng = random.Random(SEED)
+    kills = list(SERVICES) * 3 + [rng.choice(SERVICES)]
+    rng.shuffle(kills)
+    services = kills[5 * run_no:5 * run_no + 5]
+    rng = random.Random(SEED * 10 + run_no)
+    sig = {}
+    if run_no == 1:  # a hang of the generator (its calls have the most deadlines: generate, weight loads)
+        hang_at = rng.randrange(len(services) + 1)  # at a random position among the kills
+        services.insert(hang_at, "generator")
+        sig[hang_at] = signal.SIGSTOP
+    plan = _plan(rng, services, first=2, gap=2)
+    steps = plan[-1][0] + 4  # every service is called again after the last fault
+    run = Run(tmp_path, f"kill{run_no}", [f"steps={steps}", "fault.max_restarts=10", *FAST_FAULTS])
+    try:
+        injected = _inject(run, plan, sig)
+        pids = [run.pid(s) for s in (*SERVICES, "trainer", "replay_buffer")] + [f["pid"] for f in injected]
+        lost, twice = _check_survivor(run, steps, injected, f"run {run_no} ({steps} steps)")
+    finally:
+        run.kill()
+    assert not _shm_left(pids), _shm_left(pids)  # the trainer's staging buffer, killed processes' buffers
+    for f in injected:
+        fault = "hang (SIGSTOP) " + f["service"] if f["signal"] == "SIGSTOP" else "kill -9 " + f["service"]
+        RESULTS.append({"fault": fault, "run": run.dir, "survived": True, "lost": lost, "repeated": twice,
+                        "recover_s": [f["recover_s"]], "wall_s": [f["wall_s"]]})
+
+
+def test_max_restarts_exhausted_stops_naming_the_actor(tmp_path):
+    """Bad input: fault.max_restarts=1 and two kills of the reward: the CLI exits non-zero naming the
+    actor and its last error; metrics and checkpoints stay intact; no actor process is left."""
+    run = Run(tmp_path, "exhaust", ["steps=30", "checkpoint.every=1", "checkpoint.keep=2", "fault.max_restarts=1",
+                                    *FAST_FAULTS])
+    try:
+        first = _inject(run, [(2, "reward", 0.3)], {})
+        run.wait_for("step 3", lambda: len(run.rows()) >= 3)
+        pids = [run.pid(s) for s in ("generator", "reward", "reference", "trainer", "replay_buffer")]
+        os.kill(run.pid("reward"), signal.SIGKILL)
+        rc = run.finish(timeout=120)
+    finally:
+        run.kill()
+    out = run.output()
+    assert rc == 1, out[-3000:]
+    err = [l for l in out.splitlines() if l.startswith("error:")]
+    assert err and "actor 'reward' failed 2 times" in err[0] and "fault.max_restarts=1" in err[0], out[-3000:]
+    assert "last error: actor 'reward' failed" in err[0] and "Killed(sig=9)" in out, out[-3000:]
+    assert "checkpoints and metrics written so far are intact" in out
+    rows = run.rows()
+    assert len(rows) >= 3 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert [f["service"] for f in run.faults()] == ["reward"]  # the second failure is not a respawn
+    ckpts = checkpoint.complete(os.path.join(run.dir, "checkpoints"))
+    assert ckpts and all(checkpoint.verify(c) is None and checkpoint.has_manifest(c) for c in ckpts)
+    assert int(os.path.basename(ckpts[-1])[5:]) >= 3
+    time.sleep(2)
+    assert all(_dead(p) for p in pids), [p for p in pids if not _dead(p)]  # no orphan actor process
+    RESULTS.append({"fault": "max_restarts exhausted (bad input)", "run": run.dir, "survived": True, "lost": 0,
+                    "repeated": 0, "recover_s": [first[0]["recover_s"]], "wall_s": [first[0]["wall_s"]]})
+
+
+# ---- NaN loss, damaged checkpoints -----------------------------------------------------------------
+
+NAN_REWARD = '''
+"""Chaos test reward term: NaN for the 9th episode ever scored (counted in a file beside this
+module, so a respawned reward actor does not reset the count), else 0."""
+import fcntl
+import os
+
+COUNT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scored.count")
+
+
+def nan_once(text, target):
+    with open(COUNT, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = int(f.read() or 0) + 1
+        f.seek(0)
+        f.truncate()
+        f.write(str(n))
+    return float("nan") if n == 9 else 0.0
+'''
+
+
+def test_nan_loss_then_damaged_checkpoints_on_resume(tmp_path):
+    """1) A NaN reward for one episode (the 9th scored: batch 2) makes the trainer skip that step:
+    skipped_batches == 1, steps 1..3 logged once. 2) The newest checkpoint (step 3) is truncated and
+    the one before (step 2) loses its manifest: the rerun to 4 steps falls back to step 2 with a
+    warning naming each, and logs steps 1..4 exactly once (step 3 trained again)."""
+    mod = tmp_path / "mod"
+    mod.mkdir()
+    (mod / "chaos_nan_reward.py").write_text(NAN_REWARD)
+    args = ["checkpoint.every=1", "checkpoint.keep=3", "reward.fn=chaos_nan_reward:nan_once", *FAST_FAULTS]
+    run = Run(tmp_path, "nan", ["steps=3", *args], pythonpath=str(mod))
+    rc = run.finish()
+    out = run.output()
+    assert rc == 0, out[-4000:]
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["skipped_batches"] for r in rows] == [0, 1, 1], [r["skipped_batches"] for r in rows]
+    assert "step 2: non-finite loss" in out and "optimizer step skipped" in out
+    assert all(r["loss"] == r["loss"] and r["reward_mean"] == r["reward_mean"] for r in rows)  # trained batches: finite
+    assert int((mod / "scored.count").read_text()) >= 9
+    RESULTS.append({"fault": "NaN loss (reward fn, one episode)", "run": run.dir, "survived": True,
+                    "lost": _steps_check(rows, 3)[0], "repeated": _steps_check(rows, 3)[1]})
+
+    root = os.path.join(run.dir, "checkpoints")
+    ckpts = [os.path.basename(c) for c in checkpoint.complete(root)]
+    assert ckpts == ["step_000001", "step_000002", "step_000003"]
+    newest = os.path.join(root, "step_000003", "model.safetensors")
+    os.truncate(newest, os.path.getsize(newest) // 2)
+    os.remove(os.path.join(root, "step_000002", "manifest.json"))
+    before = rows
+    run = Run(tmp_path, "nan", ["steps=4", *args], pythonpath=str(mod))
+    rc = run.finish()
+    out = run.output()
+    assert rc == 0, out[-4000:]
+    warnings = [l for l in out.splitlines() if l.startswith("[forge] warning: checkpoint")]
+    assert any("step_000003 is damaged (model.safetensors has" in w and "falling back" in w for w in warnings), warnings
+    assert any("step_000002 has no manifest" in w and "without verifying" in w for w in warnings), warnings
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == before[:2]  # kept from the first run: it resumed from step 2 ...
+    assert rows[2]["startup_s"] != before[2]["startup_s"]  # ... and trained step 3 again
+    assert rows[-1]["policy_version"] == 4
+    assert [r["skipped_batches"] for r in rows] == [0, 1, 1, 1]  # the counter goes on from the checkpoint
+    assert checkpoint.verify(os.path.join(root, "step_000004")) is None
+    lost, twice = _steps_check(rows, 4)
+    assert (lost, twice) == (0, 0)
+    for fault in ("truncated newest checkpoint", "checkpoint without manifest"):
+        RESULTS.append({"fault": fault + " (resume)", "run": run.dir, "survived": True, "lost": lost,
+                        "repeated": twice + 1})  # step 3 trained twice
+
+
+# ---- a full disk during a save -----------------------------------------------------------------------
+
+def test_full_disk_during_checkpoint(tmp_path):
+    """output_dir on a 64 MB tmpfs: the step-1 checkpoint (~39 MB: fp32 weights + AdamW state)
+    fits, the next ones cannot: the run goes on, counts checkpoint_failures, says the previous
+    checkpoint is intact, and that checkpoint still verifies."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root and mount (a small tmpfs)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
+    try:
+        run = Run(tmp_path, "disk", ["steps=3", "checkpoint.every=1", "checkpoint.keep=3", *FAST_FAULTS], out_dir=disk)
+        rc = run.finish()
+        out = run.output()
+        assert rc == 0, out[-4000:]
+        rows = run.rows()
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert [r["checkpoint_failures"] for r in rows] == [0, 0, 1]  # step 2's failed after row 2 was logged
+        root = os.path.join(run.dir, "checkpoints")
+        assert sorted(os.listdir(root)) == ["step_000001"]  # no half-written .tmp left
+        assert checkpoint.verify(os.path.join(root, "step_000001")) is None
+        warn = [l[l.index("[forge] warning: checkpoint at step"):] for l in out.splitlines()
+                if "[forge] warning: checkpoint at step" in l]  # after the progress bar's text
+        assert len(warn) == 2 and warn[0].startswith("[forge] warning: checkpoint at step 2 not written: the disk "
+                                                     "is full (RuntimeError:"), out[-3000:]
+        assert warn[0].endswith(f"the previous checkpoint {root}/step_000001 is intact"), warn
+        assert os.path.isfile(os.path.join(run.dir, "final", "model.safetensors"))
+        RESULTS.append({"fault": "full disk during checkpoint save", "run": run.dir, "survived": True, "lost": 0,
+                        "repeated": 0})
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+# ---- the trainer's non-finite guard, through the real actor ------------------------------------------
+
+def test_trainer_skips_a_non_finite_step():
+    from forge_core.episode import Episode
+    from forge_core.layout import plan_layout
+    from forge_core.services import call, spawn_service
+
+    cfg = load_config("smollm2_135m", TINY)
+    g = torch.Generator().manual_seed(0)
+
+    def episodes(adv: list) -> list:
+        out = []
+        for i, a in enumerate(adv):
+            P, R = 5 + i % 3, 4 + i % 5
+            lp = (-torch.rand(R, generator=g) * 3).tolist()
+            out.append(Episode(prompt_id=f"p{i // 4}", group=i // 4, target="1",
+                               prompt_ids=torch.randint(3, 1000, (P,), generator=g).tolist(),
+                               response_ids=torch.randint(3, 1000, (R,), generator=g).tolist(),
+                               behaviour_logprobs=lp, text="", policy_version=0, ref_logprobs=lp, advantage=a))
+        return out
+
+    async def go():
+        plan = plan_layout(cfg)
+        t = await spawn_service(cfg, "trainer", plan.trainer, plan)
+        try:
+            w0 = await call("trainer", t.state_dict)
+            bad = episodes([1.0, -1.0, float("nan"), 0.5, -0.5, 1.0, -1.0, 0.0])
+            m = await call("trainer", t.train_step, bad)
+            assert m["skipped"] == 1.0 and m["version"] == 0, m
+            assert await call("trainer", t.get_version) == 0
+            w1 = await call("trainer", t.state_dict)
+            assert w1.keys() == w0.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)  # bit-identical
+            m = await call("trainer", t.train_step, episodes([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25]))
+            assert m["skipped"] == 0.0 and m["version"] == 1 and m["loss"] == m["loss"], m
+            assert 0 < m["grad_norm"] < float("inf")
+            w2 = await call("trainer", t.state_dict)
+            assert all(torch.isfinite(v).all() for v in w2.values())
+            assert sum(not torch.equal(w0[k], w2[k]) for k in w0) == len(w0)  # AdamW moved every tensor
+        finally:
+            await t.stop()
+
+    asyncio.run(go())
