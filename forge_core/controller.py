@@ -188,6 +188,7 @@ class Controller:
         self.skipped_batches = 0
         self.checkpoint_failures = 0
         self.ref_digest = ""
+        self.weight_dtype: Optional[str] = None  # the generators' weight dtype: what the trainer publishes
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
@@ -413,7 +414,7 @@ class Controller:
         rdma = any(t == "rdma" for t, _ in self.routes)
         world = 1 + sum(t == "nccl" for t, _ in self.routes)
         return await call("trainer", self.svc.trainer.publish, rdma, world if world > 1 else 0, self.generation,
-                          timeout_s=self.cfg.fault.call_timeout_s)
+                          self.weight_dtype, timeout_s=self.cfg.fault.call_timeout_s)
 
     async def publish_and_sync(self) -> None:
         """Publish the trainer's current weights and bring every replica to them (under the sync lock)."""
@@ -531,8 +532,14 @@ class Controller:
         self.routes = sync_routes(s, self.cfg.weight_sync.transport)
         self.versions = [0] * len(s.generators)
         self.dispatcher = Dispatcher(len(s.generators))
+        dtypes = {await call(g.name, g.get_dtype) for g in s.generators}  # each resolved its `auto` itself
+        if len(dtypes) > 1:
+            raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
+                            f"their hosts' CPUs differ; set generator.dtype explicitly")
+        self.weight_dtype = dtypes.pop()
         ckpt = self.latest_checkpoint() if self.cfg.resume else None
-        h0 = await call("trainer", s.trainer.publish, s.reference.slot.host != s.trainer.slot.host, 0, 0)
+        h0 = await call("trainer", s.trainer.publish, s.reference.slot.host != s.trainer.slot.host, 0, 0,
+                        await call("reference", s.reference.get_dtype))
         ref_transport = "ipc" if s.reference.slot.host == s.trainer.slot.host else "rdma"
         await call("reference", s.reference.load_initial, h0, ref_transport)
         self.ref_digest = await call("reference", s.reference.digest)
