@@ -180,7 +180,7 @@ def test_layout_errors_name_the_key():
     msg = str(e.value)
     assert "node 0 has 3 GPUs" in msg and "layout.gpus_per_node" in msg and "layout.generator.replicas" in msg, msg
     with pytest.raises(ConfigError, match=r"node 1 has 8 GPUs.*layout\.generator\.replicas x layout\.generator\.tp = 2 x 8"):
-        load_config("llama3_8b", ["layout.generator.replicas=2"])  # 2 x tp 8 on node 1 (8 GPUs)
+        load_config("llama3_8b", ["layout.generator.replicas=2", "layout.generator.tp=8"])  # 2 x tp 8 on node 1 (8 GPUs)
     with pytest.raises(ConfigError, match=r"layout\.generator\.tp=3 must divide the model's 16 attention heads"):
         load_config("qwen3_1_7b", ["layout.generator.tp=3", "layout.gpus_per_node=8"])
     with pytest.raises(ConfigError, match=r"layout\.generator\.host: node 1 is outside layout\.nodes=1"):
@@ -353,7 +353,7 @@ def test_staged_sync_generation_goes_on_during_transfer():
     from forge_core.services import call, spawn_service
     from forge_core.weight_sync import Sender, StagingBuffer
 
-    cfg = load_config("smollm2_135m", TINY + ["weight_sync.bucket_mb=1"])  # bf16 generator; 1 MiB buckets
+    cfg = load_config("smollm2_135m", TINY + ["weight_sync.bucket_mb=1", "generator.dtype=bfloat16"])  # 1 MiB buckets
     hold_s = 4.0
 
     async def go():

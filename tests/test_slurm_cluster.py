@@ -364,7 +364,7 @@ def test_secrets_reach_the_nodes_but_no_slurm_state_and_no_file(two_node_run, wo
     files += [monarch_log] if monarch_log.is_file() else []
     assert any(p.name.endswith("_submission.sh") for p in files)
     assert any(p.name.endswith("_submitted.pkl") for p in files)
-    assert any(p.name == "optimizer.pt" for p in files)
+    assert any(p.name.startswith("optimizer.rank") for p in files)  # a checkpoint is among the files scanned
     scans = [rec["scan_running"], _scan(_slurm_state_files(), job_ids | {rec["job_id"]}), _scan(files, set())]
     req = work / "requeue.json"
     scans += [tuple(json.loads(req.read_text())["scan_running"])] if req.is_file() else []
