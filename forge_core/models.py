@@ -275,8 +275,42 @@ def _hub_hint(cfg: Any, e: Exception) -> str:
             f"or use model.init=random for a same-shape random model")
 
 
+GQA_SDPA = "forge_sdpa_gqa"
+
+
+def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                       is_causal: Optional[bool] = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function (registered as ``"forge_sdpa_gqa"``): SDPA with
+    ``enable_gqa`` also when there is a padding mask. ``query`` ``[B, H, q, D]``, ``key``/``value``
+    ``[B, KV, k, D]``, ``attention_mask`` ``[B, 1, q, k]`` (bool or additive) or ``None``; returns
+    ``[B, q, H, D]``.
+
+    Why: transformers' own ``sdpa`` path copies K and V ``H / KV`` times (``repeat_kv``) whenever a
+    mask is present, which batched generation of left-padded prompts always has; for SmolLM2-135M
+    (9 heads, 3 KV heads) that copy of the whole KV cache cost more than the matmuls of a decode
+    step on an AVX2 CPU (``benchmarks/bench_cpu.py``). The math is the same SDPA.
+    """
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_gqa_sdpa() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_SDPA, sdpa_gqa_attention)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+    return GQA_SDPA
+
+
 def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
-    """The causal LM named by ``cfg`` (a :class:`ModelConfig`), in ``dtype``, in eval mode.
+    """The causal LM named by ``cfg`` (a :class:`ModelConfig`), in ``dtype``, in eval mode, with
+    :func:`sdpa_gqa_attention`.
 
     Raises:
         ModelSourceError: missing package file, unreachable hub, gated model without HF_TOKEN.
@@ -297,10 +331,11 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
             except OSError as e:
                 raise ModelSourceError(_hub_hint(cfg, e)) from None
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=_register_gqa_sdpa())
     elif cfg.init == "pretrained":
         try:
-            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg.name, cfg), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg.name, cfg), dtype=dtype,
+                                                         attn_implementation=_register_gqa_sdpa())
         except OSError as e:
             raise ModelSourceError(_hub_hint(cfg, e)) from None
     else:

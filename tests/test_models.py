@@ -61,3 +61,37 @@ def test_generation_stops_after_a_finished_answer_line():
     assert stopped_at is not None and stop.stop_len[0] == stopped_at
     assert tok.decode(resp[:stopped_at]) == "2 + 3 = 5\n#### 5\n"
     assert not _StopAfterAnswer(tok, len(prompt), 1)(torch.tensor([prompt + tok("#### 5", add_special_tokens=False).input_ids]), None)[0]
+
+
+def test_gqa_sdpa_equals_transformers_sdpa_with_padding():
+    """forge_sdpa_gqa (no repeat_kv copy) gives transformers' own sdpa logits on left-padded rows."""
+    cfg = ModelConfig(name="smollm2_135m")
+    model, tok = load_model(cfg), load_tokenizer(cfg)
+    assert model.config._attn_implementation == "forge_sdpa_gqa"
+    enc = tok(["Tom has 3 apples.", "A much longer question about how many apples Tom has now?"],
+              return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        ours = model(**enc).logits
+        model.set_attn_implementation("sdpa")
+        theirs = model(**enc).logits
+    mask = enc.attention_mask.bool()
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_group_prefill_once_gives_generates_own_samples():
+    """hf_generate prefills each prompt once and repeats its KV cache for the group: greedy
+    completions of left-padded prompts equal transformers' plain generate, token for token."""
+    from forge_core.actors.generator import hf_generate
+
+    cfg = ModelConfig(name="smollm2_135m")
+    model, tok = load_model(cfg), load_tokenizer(cfg)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in ("What is 2 + 3?", "Tom has 3 apples and buys 2 more. How many apples does he have now?")]
+    outs = hf_generate(model, tok, prompts, 2, 16, 256, greedy=True, stop_after_answer=False)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    plain = model.generate(**enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    P = enc.input_ids.shape[1]
+    for j, o in enumerate(outs):
+        ref = plain[j // 2, P:].tolist()
+        assert o["response_ids"] == ref[:len(o["response_ids"])], (j, o["text"])
+        assert o["prompt_ids"] == enc.input_ids[j // 2][enc.attention_mask[j // 2].bool()].tolist()

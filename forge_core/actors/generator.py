@@ -61,7 +61,7 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     distribution sampled from, float32), ``text`` and ``truncated`` (hit ``max_new_tokens``).
     ``every16`` is called every 16 decode steps (the actor resizes its thread pool there).
     """
-    from transformers import StoppingCriteriaList
+    from transformers import DynamicCache, StoppingCriteriaList
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -70,8 +70,17 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     P = enc.input_ids.shape[1]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     stop = _StopAfterAnswer(tok, P, len(prompts) * n, every16) if stop_after_answer else None
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, num_return_sequences=n, output_logits=True,
-                         return_dict_in_generate=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    ids, mask = enc.input_ids.repeat_interleave(n, 0), enc.attention_mask.repeat_interleave(n, 0)
+    cache = None
+    if n > 1 and P > 1:  # the prompt's KV cache once per group, not once per sample
+        cache = DynamicCache()
+        m = enc.attention_mask[:, :-1]
+        model(input_ids=enc.input_ids[:, :-1], attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
+              past_key_values=cache, use_cache=True, logits_to_keep=1)  # positions as generate's (left padding)
+        cache.batch_repeat_interleave(n)
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
+                         output_logits=True, return_dict_in_generate=True, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id,
                          stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **sampling)
     seqs = out.sequences[:, P:]
     lps = torch.stack([torch.log_softmax(l.float() / (1.0 if greedy else temperature), -1)
