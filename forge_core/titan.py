@@ -305,7 +305,7 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     """
     B = len(episodes)
     lens = [len(e.prompt_ids) + len(e.response_ids) for e in episodes]
-    T = _round_up(max(lens), 64)
+    T = _round_up(max(lens), 64 if torch.device(device).type == "cuda" else 8)  # CPU: less padding
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     rows, cols, tgt, outc = [], [], [], []
     for i, e in enumerate(episodes):

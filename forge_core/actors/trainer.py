@@ -63,7 +63,7 @@ def accumulate(agg: dict, m: dict, share: float) -> None:
 def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int = 0) -> list[tuple[list[int], bool]]:
     """This rank's micro-batches of ``episodes`` as ``(indices, dummy)``: its ``rank::world`` share,
     packed by a token budget (``budget`` > 0, :func:`forge_core.packing.pack_episodes`) or ``size``
-    sequences at a time. Every rank gets the same number, as FSDP's collectives need: a rank with
+    sequences at a time, longest first (each micro-batch is padded to its longest row). Every rank gets the same number, as FSDP's collectives need: a rank with
     fewer runs dummy ones (the batch's first episode, its result unused).
 
     Raises:
@@ -76,7 +76,8 @@ def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int 
     def split(idx: list[int]) -> list[list[int]]:
         if budget:
             return [[idx[j] for j in b] for b in pack_episodes([lens[i] for i in idx], budget)]
-        return [idx[i:i + size] for i in range(0, len(idx), size)]
+        idx = sorted(idx, key=lambda i: (-lens[i], i))  # rows of similar length share a micro-batch
+        return [sorted(idx[i:i + size]) for i in range(0, len(idx), size)]
 
     per_rank = [split(list(range(r, len(episodes), world))) for r in range(world)]
     n = max(len(p) for p in per_rank)
