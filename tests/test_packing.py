@@ -350,3 +350,22 @@ def test_micro_batch_losses_weighted_by_share_give_the_full_batch_gradient():
     assert abs(total - full.item()) < 1e-5
     for (n, a), (_, b) in zip(ref.named_parameters(), packed.named_parameters()):
         assert (a.grad - b.grad).abs().max() < 1e-5 * max(1.0, a.grad.abs().max().item()), n
+
+
+def test_padded_micro_batches_group_similar_lengths():
+    """Without packing, each rank's share is cut longest first: every episode exactly once, each
+    micro-batch's indices sorted, and less padding than cutting in arrival order."""
+    from forge_core.actors.trainer import micro_batches
+
+    lens = [10, 200, 12, 190, 11, 180, 13, 170]
+    eps = [SimpleNamespace(prompt_ids=[1] * (n - 1), response_ids=[2]) for n in lens]
+    for world in (1, 2):
+        seen = []
+        for rank in range(world):
+            for idx, dummy in micro_batches(eps, rank, world, 2):
+                assert not dummy and idx == sorted(idx)
+                seen += idx
+        assert sorted(seen) == list(range(len(lens)))
+    mbs = [idx for idx, _ in micro_batches(eps, 0, 1, 2)]
+    padded = sum(len(i) * max(lens[j] for j in i) for i in mbs)
+    assert mbs[0] == [1, 3] and padded < sum(2 * max(lens[k], lens[k + 1]) for k in range(0, 8, 2))
