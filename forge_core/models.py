@@ -195,12 +195,13 @@ def converted_smollm2() -> str:
 
 def gated_without_token(cfg: Any, env: Optional[Any] = None) -> Optional[str]:
     """The error message when model ``cfg`` (a :class:`ModelConfig`) is gated on the HF hub, has no
-    local copy (``cfg.path``) and ``HF_TOKEN`` is missing from ``env`` (default ``os.environ``); else None.
+    local copy (``cfg.path``) and ``env`` (default ``os.environ``) has neither ``HF_TOKEN`` nor the
+    legacy ``HUGGING_FACE_HUB_TOKEN`` (huggingface_hub reads both); else None.
     The one gated-model check: the local, SLURM and SkyPilot launchers all use it."""
     env = os.environ if env is None else env
     spec = spec_of(cfg.name)
     path = getattr(cfg, "path", "") or spec.path
-    if not spec.gated or os.path.isdir(path) or env.get("HF_TOKEN"):
+    if not spec.gated or os.path.isdir(path) or env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN"):
         return None
     return (f"model {cfg.name!r} ({path}) is gated on the HF hub and HF_TOKEN is not set: accept its licence on "
             f"huggingface.co and pass a token (SkyPilot: `--secret HF_TOKEN`; SLURM/local: export HF_TOKEN)")

@@ -77,10 +77,21 @@ def test_gpu_recipe_fails_fast_on_cpu():
 
 
 def test_gated_model_without_token():
-    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     r = subprocess.run([sys.executable, "-m", "launch.local", "run", "llama3_8b"], cwd=ROOT,
                        env=dict(env, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "HF_TOKEN" in r.stderr
+
+
+def test_gated_check_takes_either_token_name():
+    """huggingface_hub reads HF_TOKEN, then the legacy HUGGING_FACE_HUB_TOKEN: so does the check."""
+    from forge_core.models import ModelConfig, gated_without_token
+
+    cfg = ModelConfig(name="llama3_8b")
+    assert "HF_TOKEN is not set" in gated_without_token(cfg, env={})
+    assert gated_without_token(cfg, env={"HF_TOKEN": "x"}) is None
+    assert gated_without_token(cfg, env={"HUGGING_FACE_HUB_TOKEN": "x"}) is None
+    assert gated_without_token(ModelConfig(name="smollm2_135m"), env={}) is None
 
 
 def test_unknown_key_fails_before_actors():
