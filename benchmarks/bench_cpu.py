@@ -38,7 +38,7 @@ from forge_core.actors.generator import hf_generate
 from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.data import DEFAULT_SYSTEM_PROMPT, chat_prompt, load_jsonl
 from forge_core.episode import Episode
-from forge_core.models import ModelConfig, load_model, load_tokenizer, pretrained_dir
+from forge_core.models import GQA_SDPA, ModelConfig, load_model, load_tokenizer, pretrained_dir
 
 
 def cpu_description() -> str:
@@ -68,8 +68,6 @@ def plain_generate(model, tok, prompts: list[str], n: int, max_new: int, tempera
         resp = out[:, enc.input_ids.shape[1]:]
         return int(((resp != tok.pad_token_id) & (resp != tok.eos_token_id)).sum())
     finally:
-        from forge_core.models import GQA_SDPA
-
         model.set_attn_implementation(GQA_SDPA)
 
 

@@ -36,7 +36,7 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     import os
 
     from forge_core.actors import resolve_dtype
-    from forge_core.models import hf_config_dict
+    from forge_core.models import gqa_sdpa, hf_config_dict
 
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
@@ -44,7 +44,7 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
             raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=gqa_sdpa()).eval()
     else:
         model = load_model(cfg.model, dtype=dtype)
     tok = load_tokenizer(cfg.model)

@@ -300,7 +300,9 @@ def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_gqa_sdpa() -> str:
+def gqa_sdpa() -> str:
+    """Register :func:`sdpa_gqa_attention` with transformers (idempotent) and return its name, for
+    ``from_pretrained(..., attn_implementation=gqa_sdpa())``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -318,6 +320,7 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    attn = gqa_sdpa()
     spec = spec_of(cfg.name)
     if spec.config is not None or cfg.init == "random":
         if spec.config is not None:
@@ -332,11 +335,10 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
             except OSError as e:
                 raise ModelSourceError(_hub_hint(cfg, e)) from None
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=_register_gqa_sdpa())
+        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
     elif cfg.init == "pretrained":
         try:
-            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg.name, cfg), dtype=dtype,
-                                                         attn_implementation=_register_gqa_sdpa())
+            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg.name, cfg), dtype=dtype, attn_implementation=attn)
         except OSError as e:
             raise ModelSourceError(_hub_hint(cfg, e)) from None
     else:

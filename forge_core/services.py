@@ -24,6 +24,7 @@ import asyncio
 import importlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -225,8 +226,6 @@ class Services:
         self.stopping = True
         for s in self.all():
             await s.stop(timeout_s)
-        import shutil
-
         shutil.rmtree(cores_dir(), ignore_errors=True)
 
 

@@ -15,11 +15,11 @@ from typing import Any, Optional
 import torch
 from monarch.actor import Actor, endpoint
 
-from forge_core.actors import CoreShare, setup_process
+from forge_core.actors import CoreShare, resolve_dtype, setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
-from forge_core.models import load_model, load_tokenizer
+from forge_core.models import hf_config_dict, load_model, load_tokenizer
 from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
 
@@ -29,16 +29,13 @@ class _StopAfterAnswer:
     Records, per row, the response length (tokens) at which it stopped, so the caller can cut there.
     """
 
-    def __init__(self, tok, prompt_len: int, rows: int, every16: Optional[Any] = None):
+    def __init__(self, tok, prompt_len: int, rows: int):
         self.tok, self.P = tok, prompt_len
         self.stop_len = [None] * rows
-        self.every16 = every16
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         n = input_ids.shape[1] - self.P
-        if self.every16 is not None and n % 16 == 0:
-            self.every16()
         for i in range(input_ids.shape[0]):
             if self.stop_len[i] is None:
                 # the answer line is a few tokens: it lies in the tail when its newline arrives
@@ -47,6 +44,18 @@ class _StopAfterAnswer:
                     self.stop_len[i] = n
             done[i] = self.stop_len[i] is not None
         return done
+
+
+class _Every16:
+    """transformers stopping criterion that never stops: calls ``fn`` every 16 decode steps."""
+
+    def __init__(self, fn: Any, prompt_len: int):
+        self.fn, self.P = fn, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
+        if (input_ids.shape[1] - self.P) % 16 == 0:
+            self.fn()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 @torch.no_grad()
@@ -69,7 +78,8 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
               add_special_tokens=False)
     P = enc.input_ids.shape[1]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    stop = _StopAfterAnswer(tok, P, len(prompts) * n, every16) if stop_after_answer else None
+    stop = _StopAfterAnswer(tok, P, len(prompts) * n) if stop_after_answer else None
+    criteria = [c for c in (stop, _Every16(every16, P) if every16 else None) if c is not None]
     ids, mask = enc.input_ids.repeat_interleave(n, 0), enc.attention_mask.repeat_interleave(n, 0)
     cache = None
     if n > 1 and P > 1:  # the prompt's KV cache once per group, not once per sample
@@ -81,7 +91,7 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
                          output_logits=True, return_dict_in_generate=True, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id,
-                         stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **sampling)
+                         stopping_criteria=StoppingCriteriaList(criteria) if criteria else None, **sampling)
     seqs = out.sequences[:, P:]
     lps = torch.stack([torch.log_softmax(l.float() / (1.0 if greedy else temperature), -1)
                        .gather(-1, seqs[:, i:i + 1]).squeeze(-1) for i, l in enumerate(out.logits)], dim=1)
@@ -144,9 +154,6 @@ class Generator(Actor):
         self.cores = CoreShare(cores_dir, replica, threads)
         mc = ModelConfig(**model)
         self.tok = load_tokenizer(mc)
-        from forge_core.actors import resolve_dtype
-        from forge_core.models import hf_config_dict
-
         self.dtype = resolve_dtype(self.g.dtype, "cpu", hf_config_dict(mc.name)["hidden_size"], replica)
         self.model = load_model(mc, dtype=self.dtype)
         self.flat, self.layout = flatten_parameters(self.model)

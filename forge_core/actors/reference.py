@@ -16,7 +16,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_core import titan
-from forge_core.actors import CoreShare, init_device, setup_process
+from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.episode import Episode
 from forge_core.weight_sync import WeightHandle, layout_views, open_ipc
@@ -48,8 +48,6 @@ class Reference(Actor):
 
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "reference", threads)
-        from forge_core.actors import resolve_dtype
-
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
         self.model_cfg = dict(model)
         self.dtype = resolve_dtype(dtype, device, self.spec.hf["hidden_size"], "reference")

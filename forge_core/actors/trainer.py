@@ -157,6 +157,7 @@ class Trainer(Actor):
         hidden = self.spec.hf["hidden_size"]
         self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
         self.staging: dict[str, StagingBuffer] = {}  # per published dtype, on rank 0
+        self.last_dtype = self.publish_dtype  # of the last publish (weights_digest's default)
         self.sender: Optional[Sender] = None
         ws = weight_sync or {}
         self.addr, self.sync_timeout_s = addr, float(ws.get("timeout_s", 300.0))
@@ -352,7 +353,7 @@ class Trainer(Actor):
     async def weights_digest(self, dtype: Optional[str] = None) -> str:
         """sha256 of the live weights cast to ``dtype`` (default: the last published one), in HF
         layout (rank 0; else ``""``)."""
-        buf = self._fill(dtype or getattr(self, "last_dtype", self.publish_dtype))
+        buf = self._fill(dtype or self.last_dtype)
         return buf.digest() if buf is not None else ""
 
     @endpoint
