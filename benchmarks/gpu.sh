@@ -9,6 +9,8 @@
 #            summary (benchmarks/summarize_run.py); KILL_AT=n kills the generator's process KILL_DELAY (3) s
 #            after step n
 #   hosts    tests/gpu/two_hosts.sh $HOSTS (two emulated hosts, one GPU each)
+#   profile  python -m benchmarks.profile_train $PROFILE_ARGS (trainer step and reference forward under
+#            torch.profiler); PROFILE_SRC=dir runs that tree's forge_core instead (an A/B against a copy)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 \
   PYTHONUNBUFFERED=1 FORGE_CACHE=/tmp/forge-cache GSM8K_DIR=/tmp/gsm8k WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
@@ -48,5 +50,10 @@ for stage in "$@"; do
       python3 -m benchmarks.summarize_run "$OUT/$name.metrics.jsonl" --skip ${SKIP:-2} --name "$name" --markdown ;;
     hosts)
       OUT=$OUT bash tests/gpu/two_hosts.sh ${HOSTS:-loop sync} ;;
+    profile)
+      name=${PROFILE_NAME:-profile}
+      PYTHONPATH=${PROFILE_SRC:+$PROFILE_SRC:}$PYTHONPATH timeout ${PROFILE_TIMEOUT:-400} python3 -m benchmarks.profile_train \
+        ${PROFILE_ARGS:-} > "$OUT/$name.log" 2>&1; echo "profile $name exit $?"
+      grep "^train step\|^reference\|^{" "$OUT/$name.log" | cut -c1-1500 ;;
   esac
 done
