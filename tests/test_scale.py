@@ -419,3 +419,63 @@ def test_staged_sync_generation_goes_on_during_transfer():
             buf.close()
 
     asyncio.run(go())
+
+
+# ---- a node leader whose staged copy never comes (fakes around the real Controller._sync_locked) --
+
+class _Endpoint:
+    """A fake endpoint: ``call_one`` runs ``fn`` (a coroutine function)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def call_one(self, *args):
+        return self.fn(*args)
+
+
+def test_hung_leader_staged_copy_respawns_it_and_the_followers_still_load(tmp_path):
+    """generator_0 fetches over the network (nccl) and generator_1 on its node follows its staged
+    copy. The leader's receiver hangs when asked for that copy: the call misses its deadline
+    (``fault.call_timeout_s``), the leader is respawned (faults.jsonl names it), the version is
+    published again, and then both replicas load it, the follower from the new staged copy."""
+    from forge_core.controller import Controller
+
+    cfg = load_config("smollm2_135m", ["fault.call_timeout_s=0.5", "fault.timeout_per_token_s=0"])
+    ctl = Controller(cfg, str(tmp_path), progress=False)
+    log = {"staged": 0, "loads": [], "respawned": []}
+
+    async def publish(*_):
+        return SimpleNamespace(version=1, nbytes=1000)
+
+    async def fetch(*_):
+        return {"transfer_s": 0.01}
+
+    async def staged(version):
+        log["staged"] += 1
+        if log["staged"] == 1:
+            await asyncio.sleep(3600)  # hung
+        return f"staged copy of version {version}"
+
+    def generator(name):
+        async def update_weights(*args):
+            log["loads"].append((name, args[0] if isinstance(args[0], str) else "handle"))
+            return {"version": 1, "sync_s": 0.01, "mode": "ipc"}
+
+        return SimpleNamespace(name=name, update_weights=_Endpoint(update_weights),
+                               receiver=SimpleNamespace(fetch=_Endpoint(fetch), staged=_Endpoint(staged)))
+
+    async def respawn(name):
+        log["respawned"].append(name)
+
+    ctl.svc = SimpleNamespace(trainer=SimpleNamespace(publish=_Endpoint(publish)),
+                              generators=[generator("generator_0"), generator("generator_1")],
+                              respawn=respawn, write_placement=lambda path: None)
+    ctl.routes = [("nccl", 1), ("follow", 0)]
+    ctl.versions = [0, 0]
+    asyncio.run(asyncio.wait_for(ctl._sync_locked(), 60))  # without the deadline: TimeoutError here
+    assert log["respawned"] == ["generator_0"] and ctl.generation == 1
+    assert sorted(log["loads"]) == [("generator_0", "handle"), ("generator_1", "staged copy of version 1")]
+    faults = [json.loads(l) for l in open(tmp_path / "faults.jsonl")]
+    assert [f["service"] for f in faults] == ["generator_0"]
+    assert "receiver_generator_0" in faults[0]["error"] and "did not answer" in faults[0]["error"]
+    assert ctl.versions == [1, 1]
