@@ -95,7 +95,8 @@ class Profile:
         attach_timeout_s: rank 0 waits this long for every node's Monarch worker, then fails the job
             naming the missing hosts.
         monarch_port: TCP port of the Monarch worker on every node.
-        sbatch: extra sbatch options, ``{option: value}`` (e.g. ``{reservation: foo}``; ``true`` for a flag).
+        sbatch: extra sbatch options, ``{option: value}`` (e.g. ``{reservation: foo}``; ``true`` for a flag);
+            not ``export`` (the launcher's own; a profile's would be overridden, so it is refused).
     """
 
     partition: Optional[str] = None
@@ -137,7 +138,7 @@ def load_profile(name: str) -> tuple[Profile, Path]:
 
     Raises:
         SlurmError: the profile does not exist (lists the known ones), a key is unknown (names it,
-            with the closest known key) or a value has the wrong type.
+            with the closest known key), a value has the wrong type, or ``sbatch`` sets ``export``.
     """
     import yaml
 
@@ -163,6 +164,10 @@ def load_profile(name: str) -> tuple[Profile, Path]:
     prof = Profile(**{k: v for k, v in data.items() if v is not None})
     if not all(isinstance(line, str) for line in prof.setup):
         raise SlurmError(f"{path}: setup must be a list of shell lines (strings)")
+    if any(str(k).lstrip("-") in ("export", "export-file") for k in prof.sbatch):
+        raise SlurmError(f"{path}: sbatch.export is set by the launcher (the names of the variables a job needs, never "
+                         f"a secret's value) and would be overridden; export other variables in setup: lines instead "
+                         f"(e.g. 'export NCCL_DEBUG=WARN')")
     return prof, path
 
 

@@ -85,6 +85,14 @@ def test_profile_wrong_type_is_named(tmp_path):
         slurm.load_profile(_profile(tmp_path, "time_min: soon\n"))
 
 
+def test_profile_sbatch_export_is_refused(tmp_path):
+    """sbatch's --export is the launcher's (the command line would silently override the profile's)."""
+    for key in ("export", "--export", "export-file"):
+        with pytest.raises(slurm.SlurmError, match=r"sbatch.export is set by the launcher.*setup: lines"):
+            slurm.load_profile(_profile(tmp_path, f"sbatch:\n  {key}: ALL\n"))
+    assert slurm.load_profile(_profile(tmp_path, "sbatch:\n  reservation: r1\n"))[0].sbatch == {"reservation": "r1"}
+
+
 def test_shipped_profiles_load():
     for name in slurm.available_profiles():
         slurm.load_profile(name)
