@@ -166,9 +166,10 @@ async def tp_weights_check(cfg, g, tp: int) -> None:
     buf.close()
 
 
-def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128) -> list:
+def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128, response: int = 0) -> list:
     """``n`` episodes with generated (or recipe-typical) lengths, random token ids, random +-1
-    advantages and reference = behaviour logprobs."""
+    advantages and reference = behaviour logprobs. ``response`` > 0: every response that long
+    (prompts still recipe-typical, 120-260 tokens)."""
     import random
 
     from forge_core.episode import Episode
@@ -181,7 +182,7 @@ def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128) -> list:
             src = eps_from_gen[i % len(eps_from_gen)]
             p, r = len(src.prompt_ids), len(src.response_ids)
         else:
-            p, r = rnd.randint(120, 260), rnd.randint(200, cfg.generator.max_response_tokens)
+            p, r = rnd.randint(120, 260), response or rnd.randint(200, cfg.generator.max_response_tokens)
         resp = [rnd.randrange(3, V) for _ in range(r)]
         out.append(Episode(prompt_id=str(i), group=i // cfg.generator.group_size, target="", text="",
                            prompt_ids=[rnd.randrange(3, V) for _ in range(p)], response_ids=resp,

@@ -14,25 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
-
-
-def episodes_of(n: int, response: int, group: int, vocab: int) -> list:
-    """``n`` episodes with GSM8K-like prompt lengths (120-260 tokens), ``response`` tokens each,
-    random ids and +-1 advantages, reference = behaviour logprobs."""
-    from forge_core.episode import Episode
-
-    rnd = random.Random(0)
-    out = []
-    for i in range(n):
-        p = rnd.randint(120, 260)
-        out.append(Episode(prompt_id=str(i), group=i // group, target="", text="",
-                           prompt_ids=[rnd.randrange(3, vocab) for _ in range(p)],
-                           response_ids=[rnd.randrange(3, vocab) for _ in range(response)],
-                           behaviour_logprobs=[-2.0] * response, ref_logprobs=[-2.0] * response, policy_version=0,
-                           advantage=rnd.choice([-1.0, 1.0])))
-    return out
 
 
 def profiled(fn, tokens: int, top: int = 15) -> dict:
@@ -74,7 +56,7 @@ def main() -> int:
 
     from omegaconf import OmegaConf
 
-    from benchmarks.bench_gpu import overrides
+    from benchmarks.bench_gpu import overrides, synthetic_episodes
     from forge_core.actors.reference import Reference
     from forge_core.actors.trainer import Trainer
     from forge_core.config import load_config
@@ -83,12 +65,7 @@ def main() -> int:
     cfg = load_config(recipe, ov)
     c = lambda x: OmegaConf.to_container(x, resolve=True)
     seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
-    if a.response:
-        eps = episodes_of(a.episodes, a.response, cfg.generator.group_size, 49152)
-    else:
-        from benchmarks.bench_gpu import synthetic_episodes
-
-        eps = synthetic_episodes(cfg, [], a.episodes)
+    eps = synthetic_episodes(cfg, [], a.episodes, a.response)
     tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
     results = []
 

@@ -447,10 +447,11 @@ class Controller:
         failed = [g for g in got if isinstance(g, tuple)]
         loaded: list = []
         staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
-        for j in sorted({r for t, r in self.routes if t == "follow"}) if not failed else []:
-            staged[j] = await guard(j, call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version,
-                                            timeout_s=cfg.fault.call_timeout_s))
-        failed += [g for g in staged.values() if isinstance(g, tuple)]
+        if not failed:
+            for j in sorted({r for t, r in self.routes if t == "follow"}):
+                staged[j] = await guard(j, call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version,
+                                                timeout_s=cfg.fault.call_timeout_s))
+            failed = [g for g in staged.values() if isinstance(g, tuple)]
         if not failed:
             async def load(i: int) -> dict:
                 t, j = self.routes[i]
