@@ -8,7 +8,8 @@ Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
 
 - ``gen``: generator tokens/s through our actor (caller-timed: token prompts in, Episode objects
   back over Monarch) against raw ``LLM.generate`` in the same engine on the same prompts
-  (``ignore_eos``: both produce exactly 16 x 8 x 1024 tokens).
+  (``ignore_eos``: both produce exactly 16 x 8 x 1024 tokens); colocated (1 GPU), also the engine
+  right after a sleep and wake, as every colocated step generates.
 - ``scale``: generator tok/s over 1, 2, ... replicas of TP=1 (``--gpus`` of them) on the same
   prompts (32 x 8 x 1024), groups spread by the controller's Dispatcher; the scaling efficiency;
   and every ``--layouts`` entry ``RxT`` (R replicas of TP=T) on the same prompts (e.g. ``1x2,2x1``).
@@ -103,6 +104,14 @@ async def section_gen(cfg, prompts) -> list:
         row(f"generator tok/s, raw vLLM LLM.generate ({len(prompts)}x{G}x{R})", f"{raw_ts:,.0f}")
         row("generator tok/s through our actor (same engine, same prompts)",
             f"{max(ours):,.0f} ({max(ours) / raw_ts:.1%} of raw)", ">= 90% of raw", ratio=max(ours) / raw_ts)
+        if (await call("generator", g.info))["colocated"]:  # as every colocated step: asleep, woken, generate
+            woke = []
+            for _ in range(2):
+                await call("generator", g.release)
+                woke.append((await call("generator", g.bench, prompts, G, R))[1]["tok_s"])
+            row("generator tok/s right after sleep and wake (engine-timed, as each colocated step)",
+                f"{max(woke):,.0f} ({max(woke) / raw_ts:.1%} of raw)", "", ratio=max(woke) / raw_ts,
+                tok_s=woke)
         return eps
     finally:
         await g.stop(60)

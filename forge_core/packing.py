@@ -61,16 +61,32 @@ def pack_episodes(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def row_lengths(budget: int) -> list[int]:
+    """The row lengths (tokens) a micro-batch of ``budget`` may be padded to, shortest first:
+    ``budget / 4``, ``budget / 2`` and ``budget`` when the quarter is a multiple of 128
+    (FlexAttention's block), else ``budget`` alone: a few static shapes, each compiled once,
+    instead of padding a step's last, part-filled micro-batch to the full budget."""
+    return [budget // 4, budget // 2, budget] if budget % 512 == 0 else [budget]
+
+
+def row_length(tokens: int, budget: int) -> int:
+    """The shortest of :func:`row_lengths` (``budget``) that holds ``tokens`` tokens; ``budget``
+    when none does (then :func:`pack_batch` names the overflow)."""
+    return next((n for n in row_lengths(budget) if n >= tokens), budget)
+
+
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: ``B`` episodes laid end to end in a single row of ``T = budget``
-    tokens, padded at the tail (one static shape for every micro-batch). ``N`` response tokens.
+    """One packed micro-batch: ``B`` episodes laid end to end in a single row of ``T`` tokens (a
+    :func:`row_lengths` entry: a few static shapes), padded at the tail. ``N`` response tokens.
 
     Attributes:
         tokens: ``[1, T]`` int64 token ids (prompt_i, response_i, ..., padding).
         positions: ``[1, T]`` int64 RoPE positions, 0 at the start of each episode (0 on padding).
-        doc_ids: ``[1, T]`` int32 document id: episode ``i`` is ``i``, the padding is ``B``.
-        cu_seqlens: ``[D + 1]`` int32 document starts and ``T`` (``D`` = B, +1 with padding).
+        doc_ids: ``[1, T]`` int32 document id: episode ``i`` is ``i``; padding token ``j`` is ``B + j``
+            (a document of its own, so the padding costs FlexAttention one diagonal, not a square).
+        cu_seqlens: ``[D + 1]`` int32 document starts and ``T`` (``D`` = B, +1 with padding: the
+            dense-mask and varlen paths treat the padding as one document).
         select: ``[N]`` int64 flat positions in the row whose *next* token is a response token.
         targets: ``[N]`` int64 those response tokens.
         rows, cols: ``[N]`` int64 where each logprob goes in the ``[B, R]`` output (as ``collate``).
@@ -126,7 +142,7 @@ def pack_batch(episodes: list, budget: int, pad_id: int = 0) -> PackedBatch:
     pad = budget - len(toks)
     if pad:
         starts.append(len(toks))
-    toks, pos, doc = toks + [pad_id] * pad, pos + [0] * pad, doc + [len(episodes)] * pad
+    toks, pos, doc = toks + [pad_id] * pad, pos + [0] * pad, doc + list(range(len(episodes), len(episodes) + pad))
     long = lambda x: torch.tensor(x, dtype=torch.long)
     return PackedBatch(long(toks)[None], long(pos)[None], torch.tensor(doc, dtype=torch.int32)[None],
                        torch.tensor(starts + [budget], dtype=torch.int32), long(sel), long(tgt), long(rows),
@@ -195,7 +211,7 @@ def packed_attention_mask(model: torch.nn.Module, mb: PackedBatch):
     """The model's ``attention_masks`` argument for ``mb``, on ``mb``'s device: for ``"flex"`` a
     ``BlockMask`` (``q >= kv and doc[q] == doc[kv]``, B=1, all heads; TorchTitan's compiled
     ``create_block_mask`` on CUDA), else TorchTitan's ``VarlenMetadata`` (``cu_seqlens``, longest
-    segment). The padding is its own document, so no query row is fully masked.
+    segment). Each padding token attends to itself at least, so no query row is fully masked.
 
     Raises:
         ValueError: the model was not prepared by :func:`enable_packed_attention`.

@@ -23,14 +23,16 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")]
 
 
-def test_two_grpo_steps_through_actors():
-    """2 real GRPO steps: finite loss, changed weights, generator version advanced and bitwise-equal weights."""
+@pytest.mark.parametrize("packing", [[], ["trainer.tokens_per_micro_batch=512"]], ids=["padded", "packed"])
+def test_two_grpo_steps_through_actors(packing):
+    """2 real GRPO steps: finite loss, changed weights, generator version advanced and bitwise-equal
+    weights; padded micro-batches, and packed ones (rows of 128, 256 or 512 tokens) in trainer and reference."""
     from forge_core.advantages import compute_advantages
     from forge_core.data import PromptSource, load_gsm8k
     from forge_core.services import call, spawn_services
 
     async def go():
-        cfg = load_config("smollm2_135m", TINY + ["generator.dtype=float32"])
+        cfg = load_config("smollm2_135m", TINY + ["generator.dtype=float32"] + packing)
         svc = await spawn_services(cfg)
         try:
             src = PromptSource(load_gsm8k("train", GSM8K_DIR), 0)

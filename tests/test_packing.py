@@ -13,7 +13,7 @@ from forge_core import titan
 from forge_core.episode import collate
 from forge_core.losses import compute_loss, make_loss_config
 from forge_core.packing import (chunked_logprobs, enable_packed_attention, pack_batch, pack_episodes,
-                                packed_attention_mask, packed_response_logprobs)
+                                packed_attention_mask, packed_response_logprobs, row_length, row_lengths)
 
 CPU = torch.device("cpu")
 
@@ -74,7 +74,7 @@ def test_pack_batch_layout():
     toks = eps[0].prompt_ids + eps[0].response_ids + eps[1].prompt_ids + eps[1].response_ids + [7] * 3
     assert mb.tokens.tolist() == [toks]
     assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0]]
-    assert mb.doc_ids.tolist() == [[0] * 5 + [1] * 4 + [2] * 3]
+    assert mb.doc_ids.tolist() == [[0] * 5 + [1] * 4 + [2, 3, 4]]  # each padding token its own document
     assert mb.cu_seqlens.tolist() == [0, 5, 9, 12]
     assert mb.select.tolist() == [1, 2, 3, 7]
     assert mb.targets.tolist() == eps[0].response_ids + eps[1].response_ids
@@ -151,6 +151,23 @@ def test_flex_block_mask_matches_dense_mask(monkeypatch):
         a = packed_response_logprobs(dense, mb, 32)
         b = packed_response_logprobs(flex, mb, 32)
     assert (a - b).abs().max() < 1e-5
+
+
+def test_flex_padding_attends_only_to_itself():
+    spec, _, flex = _models("qwen3")
+    enable_packed_attention(flex, "flex")
+    eps = _episodes(spec.args.vocab_size, SHAPES)
+    mb = pack_batch(eps, 100)
+    n = 100 - mb.n_pad
+    q, kv = torch.arange(100)[:, None], torch.arange(100)[None]
+    m = packed_attention_mask(flex, mb).mask_mod(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), q, kv)
+    assert mb.n_pad > 0 and m[n:].equal(torch.eye(100, dtype=torch.bool)[n:])  # a diagonal, not a square
+    assert not m[:n, n:].any() and m[:n, :n].equal(torch.ones(n, n, dtype=torch.bool).tril() & (mb.doc_ids[0, :n, None] == mb.doc_ids[0, None, :n]))
+
+
+def test_row_lengths_a_few_static_shapes():
+    assert row_lengths(16384) == [4096, 8192, 16384] and row_lengths(1000) == [1000]
+    assert [row_length(t, 16384) for t in (1, 4096, 4097, 8193, 16384, 20000)] == [4096, 4096, 8192, 16384, 16384, 16384]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 37, 64])
