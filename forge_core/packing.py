@@ -61,24 +61,10 @@ def pack_episodes(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def row_lengths(budget: int) -> list[int]:
-    """The row lengths (tokens) a micro-batch of ``budget`` may be padded to, shortest first:
-    ``budget / 4``, ``budget / 2`` and ``budget`` when the quarter is a multiple of 128
-    (FlexAttention's block), else ``budget`` alone: a few static shapes, each compiled once,
-    instead of padding a step's last, part-filled micro-batch to the full budget."""
-    return [budget // 4, budget // 2, budget] if budget % 512 == 0 else [budget]
-
-
-def row_length(tokens: int, budget: int) -> int:
-    """The shortest of :func:`row_lengths` (``budget``) that holds ``tokens`` tokens; ``budget``
-    when none does (then :func:`pack_batch` names the overflow)."""
-    return next((n for n in row_lengths(budget) if n >= tokens), budget)
-
-
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: ``B`` episodes laid end to end in a single row of ``T`` tokens (a
-    :func:`row_lengths` entry: a few static shapes), padded at the tail. ``N`` response tokens.
+    """One packed micro-batch: ``B`` episodes laid end to end in a single row of ``T = budget``
+    tokens, padded at the tail (one static shape for every micro-batch). ``N`` response tokens.
 
     Attributes:
         tokens: ``[1, T]`` int64 token ids (prompt_i, response_i, ..., padding).

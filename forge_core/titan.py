@@ -248,8 +248,6 @@ def parallelize_fn(spec: TitanSpec, world_size: int, tp: int, ac: bool, seq_len:
     if world_size == 1 and not ac and not compile:
         return None
     jc = job_config(seq_len, ac, tp, compile)
-    if compile:  # the few packed row lengths (packing.row_lengths): each compiled once, statically
-        torch._dynamo.config.automatic_dynamic_shapes = False
     if world_size == 1:
         def one(model):
             if ac:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow,
 @pytest.mark.parametrize("packing", [[], ["trainer.tokens_per_micro_batch=512"]], ids=["padded", "packed"])
 def test_two_grpo_steps_through_actors(packing):
     """2 real GRPO steps: finite loss, changed weights, generator version advanced and bitwise-equal
-    weights; padded micro-batches, and packed ones (rows of 128, 256 or 512 tokens) in trainer and reference."""
+    weights; padded micro-batches, and packed ones (rows of 512 tokens) in trainer and reference."""
     from forge_core.advantages import compute_advantages
     from forge_core.data import PromptSource, load_gsm8k
     from forge_core.services import call, spawn_services

@@ -13,7 +13,7 @@ from forge_core import titan
 from forge_core.episode import collate
 from forge_core.losses import compute_loss, make_loss_config
 from forge_core.packing import (chunked_logprobs, enable_packed_attention, pack_batch, pack_episodes,
-                                packed_attention_mask, packed_response_logprobs, row_length, row_lengths)
+                                packed_attention_mask, packed_response_logprobs)
 
 CPU = torch.device("cpu")
 
@@ -163,11 +163,6 @@ def test_flex_padding_attends_only_to_itself():
     m = packed_attention_mask(flex, mb).mask_mod(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), q, kv)
     assert mb.n_pad > 0 and m[n:].equal(torch.eye(100, dtype=torch.bool)[n:])  # a diagonal, not a square
     assert not m[:n, n:].any() and m[:n, :n].equal(torch.ones(n, n, dtype=torch.bool).tril() & (mb.doc_ids[0, :n, None] == mb.doc_ids[0, None, :n]))
-
-
-def test_row_lengths_a_few_static_shapes():
-    assert row_lengths(16384) == [4096, 8192, 16384] and row_lengths(1000) == [1000]
-    assert [row_length(t, 16384) for t in (1, 4096, 4097, 8193, 16384, 20000)] == [4096, 4096, 8192, 16384, 16384, 16384]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 37, 64])

@@ -17,7 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from forge_core import titan
 from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
-from forge_core.actors.trainer import logprobs_of, micro_batches, warm_up
+from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.episode import Episode
 from forge_core.weight_sync import WeightHandle, layout_views, open_ipc
 
@@ -64,11 +64,6 @@ class Reference(Actor):
         self.model.eval()
         self.select = titan.PositionSelect(self.model)
         self.version: Optional[int] = None
-        if compile:  # every packed row length now, not in the first steps
-            with torch.no_grad():
-                warm_up(self.model, self.budget, self.spec.args.max_seq_len, temperature, self.device, self.chunk,
-                        self.select, backward=False)
-            torch.cuda.empty_cache()
 
     @endpoint
     async def load_initial(self, handle: WeightHandle, transport: str = "ipc") -> float:

@@ -86,37 +86,15 @@ def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int 
 
 def logprobs_of(model, episodes: list, idx: list[int], R: int, temperature: float, device, budget: int,
                 chunk: int, select=None):
-    """``[len(idx), R]`` float32 response logprobs of ``episodes[idx]``: packed into one row (the
-    shortest :func:`forge_core.packing.row_lengths` entry of ``budget`` that holds them) with
-    chunked logprobs when ``budget`` > 0, else padded (:func:`forge_core.titan.response_logprobs`)."""
+    """``[len(idx), R]`` float32 response logprobs of ``episodes[idx]``: packed into one row of
+    ``budget`` tokens with chunked logprobs (:mod:`forge_core.packing`) when ``budget`` > 0, else
+    padded (:func:`forge_core.titan.response_logprobs`)."""
     chunk_eps = [episodes[i] for i in idx]
     if budget:
-        from forge_core.packing import pack_batch, packed_response_logprobs, row_length
+        from forge_core.packing import pack_batch, packed_response_logprobs
 
-        row = row_length(sum(len(e.prompt_ids) + len(e.response_ids) for e in chunk_eps), budget)
-        return packed_response_logprobs(model, pack_batch(chunk_eps, row).to(device), R, temperature, chunk)
+        return packed_response_logprobs(model, pack_batch(chunk_eps, budget).to(device), R, temperature, chunk)
     return titan.response_logprobs(model, chunk_eps, R, temperature, device, select)
-
-
-def warm_up(model, budget: int, max_seq_len: int, temperature: float, device, chunk: int, select=None,
-            autocast: bool = False, backward: bool = True) -> None:
-    """Run ``model`` once on a dummy micro-batch of each packed row length
-    (:func:`forge_core.packing.row_lengths` of ``budget``; 512-token rows unpacked), forward and,
-    with ``backward``, backward (gradients left for the caller to drop): compiles every shape a
-    step will use. Documents are at most ``max_seq_len`` (the RoPE table) tokens."""
-    from forge_core.episode import Episode
-    from forge_core.packing import row_lengths
-
-    for row in row_lengths(budget) if budget else [0]:
-        n = min(row or 512, max_seq_len)
-        k = max((row or n) // n, 1)
-        eps = [Episode(prompt_id="warm-up", group=0, target="", prompt_ids=[1] * (n // 2),
-                       response_ids=[1] * (n - n // 2), behaviour_logprobs=[0.0] * (n - n // 2), text="",
-                       policy_version=0)] * k
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            lp = logprobs_of(model, eps, list(range(k)), n - n // 2, temperature, device, budget, chunk, select)
-        if backward:
-            (lp.sum() * 0.0).backward()
 
 
 class Trainer(Actor):
@@ -210,10 +188,20 @@ class Trainer(Actor):
         return need > have
 
     def _warm_up(self) -> float:
-        """Compile the blocks now (:func:`warm_up`), so no real step pays. Returns seconds."""
+        """Compile the blocks now, on a dummy micro-batch (forward and backward, no optimizer step,
+        gradients dropped), so the first real step is not the one that pays. Returns seconds."""
+        from forge_core.episode import Episode
+
         t0 = time.perf_counter()
-        warm_up(self.model, self.budget, self.spec.args.max_seq_len, self.temperature, self.device,
-                self.t.logprob_chunk, self.select, self.autocast)
+        n = min(self.budget or 512, self.spec.args.max_seq_len)  # documents of at most the RoPE table's length
+        k = max((self.budget or n) // n, 1)
+        eps = [Episode(prompt_id="warm-up", group=0, target="", prompt_ids=[1] * (n // 2),
+                       response_ids=[1] * (n - n // 2), behaviour_logprobs=[0.0] * (n - n // 2), text="",
+                       policy_version=0)] * k
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            lp = logprobs_of(self.model, eps, list(range(k)), n - n // 2, self.temperature, self.device, self.budget,
+                             self.t.logprob_chunk, self.select)
+        (lp.sum() * 0.0).backward()
         self.opt.zero_grad(set_to_none=True)
         self._sync()
         dt = time.perf_counter() - t0
