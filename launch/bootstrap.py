@@ -1,8 +1,8 @@
 """Turn a launcher's host list into Monarch meshes (shared by the SLURM and SkyPilot adapters).
 
-Every node of an allocation runs one Monarch *worker* (a host agent that spawns procs when the
-controller asks); node 0 additionally runs the *controller*, which attaches to all workers and
-gets back one ``HostMesh`` with a single dimension ``hosts`` in node-rank order::
+Every node runs one Monarch *worker* (a host agent that spawns procs when the controller asks);
+node 0 also runs the *controller*, which attaches to all workers and gets back one ``HostMesh``
+with a single dimension ``hosts`` in node-rank order::
 
     node 0:  start_worker_background(c)  ->  await attach(c, timeout_s)  ->  recipe places actors
     node i:  run_worker(c)                    (blocks until the controller shuts the mesh down)
@@ -12,29 +12,28 @@ gets back one ``HostMesh`` with a single dimension ``hosts`` in node-rank order:
 Facts about torchmonarch 0.7.0 this relies on (measured on two network-namespace hosts):
 
 - Workers: ``monarch.actor.run_worker_loop_until_shutdown(address="tcp://IP:PORT",
-  ca="trust_all_connections")`` (``run_worker_loop_forever`` is the same but the process is
-  killed at shutdown instead of returning). ``tcp://*`` is not implemented, so each worker binds
-  its own routable address. The worker ends when the controller calls ``HostMesh.shutdown()``;
-  if the controller dies instead, the worker stays up and waits for a new controller.
+  ca="trust_all_connections")`` returns when the controller calls ``HostMesh.shutdown()``
+  (``run_worker_loop_forever`` kills the process instead); if the controller dies, the worker
+  waits for a new one. ``tcp://*`` is not implemented: each worker binds its own routable address.
 - Controller: ``enable_transport`` must name an explicit address, ``tcp://CONTROLLER_IP:0``. The
-  ``"tcp"`` shortcut (``TcpWithHostname``) resolves the hostname and *panics* when it resolves only
-  to a loopback address (common: ``/etc/hosts`` maps the hostname to 127.0.x.1); with
-  ``"ipc"`` (the default) remote workers never connect back.
+  ``"tcp"`` shortcut (``TcpWithHostname``) *panics* when the hostname resolves only to loopback
+  (common: ``/etc/hosts`` maps it to 127.0.x.1); with ``"ipc"`` (the default) remote workers never
+  connect back. It must come before any other Monarch call; the same address again is a no-op.
 - ``attach_to_workers(workers=[...], ca="trust_all_connections")`` returns at once and keeps
-  retrying to connect; ``await mesh.initialized`` never fails by itself for a host that is not
-  up, so :func:`attach` probes each worker port and bounds the wait.
+  retrying; ``await mesh.initialized`` never fails by itself for a host that is not up, so
+  :func:`attach` probes each worker port and bounds the wait.
 - A per-host sub-mesh is ``mesh.slice(hosts=i)``; procs on it come from
   ``spawn_procs(per_host={"procs": n})`` and actors from ``procs.spawn(name, ActorClass)``.
 
-Command line: ``python -m launch.bootstrap worker --host IP [--port P]`` or ``worker --from
-slurm|sky`` (address from the launcher's environment) runs a worker; ``show --from slurm|sky``
-prints the Cluster as JSON.
+Command line: ``python -m launch.bootstrap worker --host IP [--port P]`` or ``worker --from slurm|sky``
+(address from the launcher's environment) runs a worker; ``show --from slurm|sky`` prints the Cluster.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
@@ -59,28 +58,23 @@ TRUST_ALL = "trust_all_connections"
 
 
 class WorkerUnreachable(TimeoutError):
-    """Some workers did not come up within the timeout.
-
-    ``hosts`` lists the unreachable host addresses (``"IP:PORT"``) in node-rank order; the message
-    names every one of them.
-    """
+    """Some workers did not come up within ``timeout_s`` seconds; ``hosts`` lists them (``"IP:PORT"``, in
+    node-rank order) and the message names every one."""
 
     def __init__(self, hosts: Sequence[str], timeout_s: float, detail: str = "") -> None:
         self.hosts = list(hosts)
         self.timeout_s = timeout_s
-        msg = (f"Monarch workers not reachable within {timeout_s:g} s: {', '.join(self.hosts)}"
-               + (f" ({detail})" if detail else ""))
-        super().__init__(msg)
+        super().__init__(f"Monarch workers not reachable within {timeout_s:g} s: {', '.join(self.hosts)}"
+                         + (f" ({detail})" if detail else ""))
 
 
 @dataclass
 class Cluster:
-    """What a launcher knows about its allocation.
+    """What a launcher knows about its allocation; ValueError for no hosts, or a rank or port out of range.
 
     Attributes:
         node_rank: this node's rank, 0 .. len(hosts) - 1. Rank 0 runs the controller.
-        hosts: node addresses in rank order (IPv4 strings after ``cluster_from_*``; resolvable
-            names also work for :func:`run_worker` and :func:`attach`).
+        hosts: node addresses in rank order (IPv4 after ``cluster_from_*``; names work as well).
         port: TCP port of the Monarch worker on every node.
     """
 
@@ -115,23 +109,16 @@ class Cluster:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM hostlist expression (``"gpu-[01-03,7],login1"``) into host names.
-
-    Uses ``scontrol show hostnames`` when it is on PATH (the authority), else a built-in parser
-    that handles comma lists, bracket ranges with zero padding and several bracket groups.
-    Raises ValueError on a malformed expression.
-    """
-    nodelist = nodelist.strip()
-    if not nodelist:
+    """Expand a SLURM hostlist expression (``"gpu-[01-03,7],login1"``) into host names: with ``scontrol
+    show hostnames`` when it is on PATH (the authority), else a built-in parser (comma lists, bracket
+    ranges with zero padding, several bracket groups). Raises ValueError on a malformed expression."""
+    if not (nodelist := nodelist.strip()):
         return []
     if shutil.which("scontrol"):
-        try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                                 capture_output=True, text=True, timeout=10).stdout.split()
-            if out:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            if out := subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                                     capture_output=True, text=True, timeout=10).stdout.split():
                 return out
-        except (subprocess.SubprocessError, OSError):
-            pass
     return _expand_nodelist_py(nodelist)
 
 
@@ -169,18 +156,9 @@ def _expand_nodelist_py(nodelist: str) -> list[str]:
     return hosts
 
 
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
 def resolve(host: str) -> str:
-    """IPv4 address of ``host`` (returned unchanged when it is already an IPv4 literal).
-
-    Raises OSError (socket.gaierror) when the name does not resolve.
-    """
+    """IPv4 address of ``host`` (unchanged when it is an IPv4 literal). Raises OSError (socket.gaierror)
+    when the name does not resolve."""
     try:
         return str(ipaddress.IPv4Address(host))
     except ValueError:
@@ -188,12 +166,9 @@ def resolve(host: str) -> str:
 
 
 def local_ip_for(host: str) -> str:
-    """The local IPv4 address this machine uses to reach ``host`` (its routing source address).
-
-    No packet is sent (a UDP socket is only connected). For ``host`` equal to one of this
-    machine's own addresses, that address is returned. This is the address a worker binds and the
-    controller advertises: a routable TCP address, never a unix socket.
-    Raises OSError when ``host`` does not resolve or no route leads to it.
+    """The local IPv4 address this machine uses to reach ``host`` (its routing source address; ``host``
+    itself when it is one of ours): what a worker binds and the controller advertises. No packet is
+    sent (a UDP socket is only connected). Raises OSError when ``host`` does not resolve or has no route.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((resolve(host), 9))
@@ -201,32 +176,32 @@ def local_ip_for(host: str) -> str:
 
 
 def _resolve_hosts(names: Sequence[str], node_rank: int) -> list[str]:
-    """Resolve names to IPs; if this node's own name maps to loopback (Debian's 127.0.1.1
-    /etc/hosts line) while another node's does not, replace it with the address this node uses
-    to reach that node. All-loopback lists (several nodes emulated on one machine, e.g.
-    127.0.0.1 and 127.0.0.2) are kept: each node binds its own listed address."""
+    """Resolve names to IPs; this node's loopback address (Debian's 127.0.1.1 /etc/hosts line) becomes
+    the one it uses to reach the first non-loopback node. All-loopback lists (nodes emulated on one
+    machine: 127.0.0.1, 127.0.0.2, ...) are kept: each node binds its own. ValueError: rank out of range."""
     if not 0 <= node_rank < len(names):
         raise ValueError(f"node_rank {node_rank} outside 0..{len(names) - 1} for hosts {list(names)}")
-    ips = [resolve(n) for n in names]
-    if _is_loopback(ips[node_rank]) and len(ips) > 1:
-        others = [ip for i, ip in enumerate(ips) if i != node_rank and not _is_loopback(ip)]
-        if others:
-            ips[node_rank] = local_ip_for(others[0])
+    ips = [resolve(n) for n in names]  # IPv4 literals
+    loopback = [ipaddress.ip_address(ip).is_loopback for ip in ips]
+    others = [ip for ip, lo in zip(ips, loopback) if not lo]
+    if loopback[node_rank] and others:
+        ips[node_rank] = local_ip_for(others[0])
     return ips
 
 
-def _port_from_env(env: Mapping[str, str], port: int | None) -> int:
-    return int(port if port is not None else env.get(PORT_ENV, DEFAULT_PORT))
+def _cluster(env: Mapping[str, str], names: Sequence[str], rank: int, port: int | None) -> Cluster:
+    """The Cluster of ``names`` resolved; port: ``port``, else ``$FORGE_MONARCH_PORT``, else 26600."""
+    port = int(port if port is not None else env.get(PORT_ENV, DEFAULT_PORT))
+    return Cluster(node_rank=rank, hosts=_resolve_hosts(names, rank), port=port)
 
 
 def cluster_from_slurm(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
-    """The Cluster of the current SLURM job step (one task per node, e.g. submitit's
-    ``tasks_per_node=1``; with more tasks per node only local rank 0 should run a worker).
+    """The Cluster of the current SLURM job step (one task per node, e.g. submitit's ``tasks_per_node=1``;
+    with more, only local rank 0 should run a worker).
 
-    Reads ``SLURM_NODEID`` (what ``submitit.JobEnvironment().node`` reports) and
-    ``SLURM_JOB_NODELIST`` (or ``SLURM_STEP_NODELIST``/``SLURM_NODELIST``), expands the list with
-    ``scontrol show hostnames`` and resolves every name to an IPv4 address. The port is
-    ``port``, else ``$FORGE_MONARCH_PORT``, else 26600.
+    Reads ``SLURM_NODEID`` (submitit's ``JobEnvironment().node``) and ``SLURM_STEP_NODELIST``,
+    ``SLURM_JOB_NODELIST`` or ``SLURM_NODELIST`` (:func:`expand_nodelist`), each name resolved to IPv4;
+    the port is ``port``, else ``$FORGE_MONARCH_PORT``, else 26600.
     Raises KeyError when not inside a SLURM job, OSError when a node name does not resolve.
     """
     env = os.environ if env is None else env
@@ -236,32 +211,26 @@ def cluster_from_slurm(env: Mapping[str, str] | None = None, port: int | None = 
                                       "SLURM_NODELIST") if env.get(k)), None)
     if nodelist is None:
         raise KeyError("SLURM_JOB_NODELIST is not set: not running inside a SLURM job")
-    names = expand_nodelist(nodelist)
-    rank = int(env["SLURM_NODEID"])
-    return Cluster(node_rank=rank, hosts=_resolve_hosts(names, rank),
-                   port=_port_from_env(env, port))
+    return _cluster(env, expand_nodelist(nodelist), int(env["SLURM_NODEID"]), port)
 
 
 def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
     """The Cluster of the current SkyPilot task.
 
-    Reads ``SKYPILOT_NODE_RANK`` and ``SKYPILOT_NODE_IPS`` (newline-separated, rank order; a
-    missing IP list means a single node, this one). The port is ``port``, else
-    ``$FORGE_MONARCH_PORT``, else 26600.
-    Raises KeyError when ``SKYPILOT_NODE_RANK`` is not set, ValueError when
-    ``SKYPILOT_NUM_NODES`` disagrees with the IP list.
+    Reads ``SKYPILOT_NODE_RANK`` and ``SKYPILOT_NODE_IPS`` (newline-separated, rank order; none: a
+    single node, this one); the port is ``port``, else ``$FORGE_MONARCH_PORT``, else 26600.
+    Raises KeyError when ``SKYPILOT_NODE_RANK`` is not set, ValueError when ``SKYPILOT_NUM_NODES``
+    disagrees with the IP list.
     """
     env = os.environ if env is None else env
     if "SKYPILOT_NODE_RANK" not in env:
         raise KeyError("SKYPILOT_NODE_RANK is not set: not running inside a SkyPilot task")
-    rank = int(env["SKYPILOT_NODE_RANK"])
     ips = [line.strip() for line in env.get("SKYPILOT_NODE_IPS", "").splitlines() if line.strip()]
-    if not ips:
-        ips = ["127.0.0.1"]  # single node: controller and worker share this machine
+    ips = ips or ["127.0.0.1"]  # single node: controller and worker share this machine
     n = env.get("SKYPILOT_NUM_NODES")
     if n is not None and int(n) != len(ips):
         raise ValueError(f"SKYPILOT_NUM_NODES={n} but SKYPILOT_NODE_IPS lists {len(ips)} IPs")
-    return Cluster(node_rank=rank, hosts=_resolve_hosts(ips, rank), port=_port_from_env(env, port))
+    return _cluster(env, ips, int(env["SKYPILOT_NODE_RANK"]), port)
 
 
 CLUSTER_FROM = {"slurm": cluster_from_slurm, "sky": cluster_from_sky}  # launcher name -> its Cluster
@@ -271,23 +240,17 @@ CLUSTER_FROM = {"slurm": cluster_from_slurm, "sky": cluster_from_sky}  # launche
 
 
 def worker_address(cluster: Cluster) -> str:
-    """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials.
-
-    MY_IP is ``hosts[node_rank]`` resolved, except that a loopback address is replaced by the local
-    address used to reach a non-loopback node (see :func:`_resolve_hosts`). Raises OSError when a
-    host does not resolve or has no route.
-    """
+    """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials; MY_IP is
+    ``hosts[node_rank]`` resolved by :func:`_resolve_hosts` (loopback replaced by a routable address).
+    Raises OSError when a host does not resolve or has no route."""
     return f"tcp://{_resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]}:{cluster.port}"
 
 
 def run_worker(cluster: Cluster) -> None:
-    """Run this node's Monarch worker; blocks until the controller shuts the host mesh down.
-
-    Then it returns normally (``run_worker_loop_until_shutdown``), so a submitit task ends with
-    a result instead of being killed. If the controller disconnects without a shutdown, the
-    worker keeps waiting for a new controller (bound the job with a time limit).
-    Raises OSError when this node's address cannot be found; Monarch raises (or panics) when the
-    address cannot be bound, e.g. the port is taken.
+    """Run this node's Monarch worker; blocks until the controller shuts the host mesh down, then returns
+    (a submitit task ends with a result, not killed). If the controller disconnects without a shutdown,
+    the worker waits for a new one (bound the job with a time limit). Raises OSError when this node's
+    address cannot be found; Monarch raises (or panics) when it cannot be bound, e.g. the port is taken.
     """
     from monarch.actor import run_worker_loop_until_shutdown
 
@@ -319,86 +282,52 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         _PRCTL(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
-def start_worker_background(cluster: Cluster, *, python: str = sys.executable,
-                            env: Mapping[str, str] | None = None,
-                            log_path: str | None = None) -> subprocess.Popen:
+def start_worker_background(cluster: Cluster) -> subprocess.Popen:
     """Start this node's worker in a child process (node rank 0 runs it next to the controller).
 
-    The child runs ``python -m launch.bootstrap worker --host MY_IP --port PORT`` with the
-    repository root on PYTHONPATH, gets SIGTERM when this process dies (PR_SET_PDEATHSIG) and
-    writes to ``log_path`` (default: inherit stdout/stderr). It exits when the controller shuts
-    the mesh down; to abandon it, :func:`stop` it. Returns at once (the worker
-    needs about 1-2 s to import Monarch; :func:`attach` waits for it).
+    The child runs ``python -m launch.bootstrap worker --host MY_IP --port PORT`` (this interpreter, the
+    repository root on PYTHONPATH, this process's stdout/stderr), gets SIGTERM when this process dies
+    (PR_SET_PDEATHSIG) and exits when the controller shuts the mesh down; :func:`stop` abandons it.
+    Returns at once (the worker needs about 1-2 s to import Monarch; :func:`attach` waits for it).
     Raises OSError when the interpreter cannot be started.
     """
-    host = worker_address(cluster)[len("tcp://"):].rsplit(":", 1)[0]
-    child_env = dict(os.environ if env is None else env)
+    host = _resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, child_env.get("PYTHONPATH", "")) if p)
-    out = open(log_path, "ab") if log_path else None
-    try:
-        return subprocess.Popen(
-            [python, "-m", "launch.bootstrap", "worker", "--host", host,
-             "--port", str(cluster.port)],
-            env=child_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            preexec_fn=_set_pdeathsig)
-    finally:
-        if out:
-            out.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.Popen([sys.executable, "-m", "launch.bootstrap", "worker", "--host", host,
+                             "--port", str(cluster.port)], env=env, preexec_fn=_set_pdeathsig)
 
 
 # --------------------------------------------------------------------------- controller side
 
 
-def enable_tcp_transport(cluster: Cluster) -> str:
-    """Make this process's Monarch client listen on TCP at the address that reaches the workers.
-
-    Must run before any other Monarch call in the process (Monarch's rule); calling it again
-    with the same address is a no-op. Returns the bind spec, ``tcp://CONTROLLER_IP:0``.
-    Raises OSError when no route reaches ``hosts[0]``; Monarch raises when a different transport
-    was already enabled.
-    """
-    from monarch.actor import enable_transport
-
-    # The address this process uses to reach a worker: for rank 0 its own IP.
-    spec = f"tcp://{local_ip_for(cluster.hosts[0])}:0"
-    enable_transport(spec)
-    return spec
-
-
-async def attach(cluster: Cluster, timeout_s: float = 120.0, *,
-                 name: str | None = None) -> "HostMesh":
+async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
     """Attach the controller (this process) to every worker; return the initialized HostMesh.
 
-    The mesh has one dimension ``hosts`` of size ``cluster.num_nodes`` in rank order (use
-    :func:`host_slice`). Workers may start before or after this call; it waits up to
-    ``timeout_s`` seconds (wall clock) for every worker port to accept TCP, then up to the rest of
-    the budget for Monarch to initialize the mesh. Call ``await mesh.shutdown()`` when done: that
-    ends every worker process.
+    Enables Monarch's TCP transport at ``tcp://CONTROLLER_IP:0`` first (the address reaching ``hosts[0]``).
+    Workers may start before or after this call: it waits up to ``timeout_s`` seconds (wall clock) for
+    every worker port to accept TCP, then the rest of the budget for the mesh to initialize. The mesh has
+    one dimension ``hosts`` in rank order (:func:`host_slice`); ``await mesh.shutdown()`` ends every worker.
 
     Raises:
-        WorkerUnreachable (a TimeoutError): some workers were not up within ``timeout_s``; the
-            message names each as ``IP:PORT``. Workers that were up are shut down first (so their
-            jobs end), taking at most a few seconds more; no process is left behind by this call.
-        OSError: ``hosts[0]`` has no route from here.
+        WorkerUnreachable (a TimeoutError): some workers were not up within ``timeout_s``; the message
+            names each as ``IP:PORT``. Workers that were up are shut down first (a few seconds more), so
+            this call leaves no process behind.
+        OSError: ``hosts[0]`` has no route from here. Monarch raises when another transport was enabled.
     """
-    from monarch.actor import attach_to_workers
+    from monarch.actor import attach_to_workers, enable_transport
 
     deadline = time.monotonic() + timeout_s
-    enable_tcp_transport(cluster)
+    enable_transport(f"tcp://{local_ip_for(cluster.hosts[0])}:0")  # for rank 0: its own IP
     up = await asyncio.gather(*(wait_port(h, cluster.port, deadline) for h in cluster.hosts))
-    missing = [f"{h}:{cluster.port}" for h, ok in zip(cluster.hosts, up) if not ok]
-    if missing:
-        live = [a for a, ok in zip(cluster.worker_addresses(), up) if ok]
-        if live:
+    if missing := [f"{h}:{cluster.port}" for h, ok in zip(cluster.hosts, up) if not ok]:
+        if live := [a for a, ok in zip(cluster.worker_addresses(), up) if ok]:
             await _release(live)
         raise WorkerUnreachable(missing, timeout_s)
 
-    mesh = attach_to_workers(workers=cluster.worker_addresses(), ca=TRUST_ALL, name=name)
+    mesh = attach_to_workers(workers=cluster.worker_addresses(), ca=TRUST_ALL)
     try:
-        await asyncio.wait_for(_await(mesh.initialized),
-                               timeout=max(1.0, deadline - time.monotonic()))
+        await asyncio.wait_for(mesh.initialized, timeout=max(1.0, deadline - time.monotonic()))
     except asyncio.TimeoutError:
         raise WorkerUnreachable([f"{h}:{cluster.port}" for h in cluster.hosts], timeout_s,
                                 "ports open but the host mesh did not initialize; "
@@ -406,29 +335,20 @@ async def attach(cluster: Cluster, timeout_s: float = 120.0, *,
     return mesh
 
 
-async def _await(fut):  # wrap a monarch Future for asyncio.wait_for
-    return await fut
-
-
 async def _release(addresses: list[str], grace_s: float = 5.0) -> None:
     """Attach to live workers and shut them down so they exit; bounded by grace_s seconds."""
     from monarch.actor import attach_to_workers
 
-    try:
+    with contextlib.suppress(Exception):  # best effort: the error that matters is the unreachable host
         mesh = attach_to_workers(workers=addresses, ca=TRUST_ALL, name="release")
-        await asyncio.wait_for(_await(mesh.initialized), timeout=grace_s)
-        await asyncio.wait_for(_await(mesh.shutdown()), timeout=grace_s)
-    except Exception:  # best effort: the error that matters is the unreachable host
-        pass
+        await asyncio.wait_for(mesh.initialized, timeout=grace_s)
+        await asyncio.wait_for(mesh.shutdown(), timeout=grace_s)
 
 
 def host_slice(mesh: "HostMesh", i: int) -> "HostMesh":
-    """The sub-mesh of node ``i`` (a HostMesh with the ``hosts`` dimension removed).
-
-    Spawn on it with ``host_slice(mesh, i).spawn_procs(per_host={"procs": n})``. A slice is a
-    reference: shut down the full mesh, not the slice. Raises IndexError for i outside
-    0..num_hosts-1.
-    """
+    """The sub-mesh of node ``i`` (the ``hosts`` dimension removed); spawn on it with
+    ``host_slice(mesh, i).spawn_procs(per_host={"procs": n})``. A slice is a reference: shut down the
+    full mesh, not the slice. Raises IndexError for i outside 0..num_hosts-1."""
     return mesh.slice(hosts=i)
 
 

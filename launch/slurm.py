@@ -5,47 +5,41 @@
     python -m launch.slurm cancel [JOB_ID]
     python -m launch.slurm status [JOB_ID]
 
-What comes from where:
+The recipe (recipes/<name>/config.yaml + overrides; NODES=n sets layout.nodes) gives the nodes, GPUs
+per node and which node hosts which service (layout.*); the profile (cluster/slurm/<profile>.yaml)
+gives partition, account, qos, cpus, memory, time limit, setup lines, attach timeout, ...
 
-    recipe (recipes/<name>/config.yaml + overrides)   nodes, GPUs per node, which node hosts which
-                                                      service (layout.*); NODES=n sets layout.nodes
-    profile (cluster/slurm/<profile>.yaml)            partition, account, qos, cpus, memory, time
-                                                      limit, setup lines, attach timeout, ...
+The job is one sbatch allocation of ``layout.nodes`` nodes, one task per node, each running
+:class:`NodeTask` (pickled by submitit), i.e. :func:`launch.node.run_node` ``--from slurm``: every
+node runs a Monarch worker bound to its own address (:mod:`launch.bootstrap`); node rank 0 also runs
+the controller, which attaches to all workers and places the services as the layout says. The run
+directory is ``<output_dir>/<SLURM job id>``; submitit's files (sbatch script, pickles, per-task
+logs) are in its ``slurm/`` folder.
 
-The job is one sbatch allocation of ``layout.nodes`` nodes with one task per node. Every task runs
-:class:`NodeTask` (pickled by submitit), i.e. :func:`launch.node.run_node` ``--from slurm``:
-each node runs a Monarch worker bound to its own address (:mod:`launch.bootstrap`), node rank 0
-also runs the controller, which attaches to all workers and places the services on the nodes the
-recipe's layout names. The run directory is ``<output_dir>/<SLURM job id>``; submitit's files
-(the sbatch script, pickles, per-task logs) are in its ``slurm/`` folder.
+Preemption and time limits: SLURM signals ``USR2`` ``signal_delay_s`` seconds before the time limit
+and submitit's interrupt helper sends ``SIGTERM`` + ``USR2``; on rank 0 submitit then calls
+:meth:`NodeTask.checkpoint` and ``scontrol requeue``s the job. The requeued job keeps its id, so it
+resumes from the newest ``<run>/checkpoints/step_N`` (weights, AdamW state, RNG, data-loader
+position, replay buffer, step counter; metrics continue at step N+1), as after a plain ``scontrol
+requeue`` or a preemption with ``PreemptMode=REQUEUE``.
 
-Preemption and time limits: SLURM signals ``USR2`` ``signal_delay_s`` before the time limit
-(submitit's ``--signal``) and submitit's interrupt helper sends ``SIGTERM`` + ``USR2``; on rank 0
-submitit then calls :meth:`NodeTask.checkpoint` and ``scontrol requeue``s the job. The requeued job
-keeps its id, so it finds ``<run>/checkpoints/step_N`` (written every ``checkpoint.every`` steps)
-and resumes from the newest one: policy weights, AdamW state, RNG, data-loader position, replay
-buffer and step counter; metrics continue at step N+1. A plain ``scontrol requeue`` (or a
-preemption with ``PreemptMode=REQUEUE``) resumes the same way.
-
-Failures end the allocation: srun runs with ``--kill-on-bad-exit=1``, so when rank 0 fails (for
-example a worker that never comes up within ``attach_timeout_s``, named in the error) the other
-tasks are killed and the job ends; nothing waits for the time limit.
+Failures end the allocation: srun runs with ``--kill-on-bad-exit=1``, so when rank 0 fails (e.g. a
+worker not up within ``attach_timeout_s``, named in the error) the other tasks are killed at once.
 
 Secrets (:data:`launch.common.SECRETS`) never enter SLURM's state: sbatch runs without them, with
 ``--export`` naming the other variables, and :func:`submit` writes them to :func:`secrets_file`
-(``~/.cache/forge-recipes/slurm-secrets/<job id>.json``, 0600 in a 0700 directory; home must be
-shared with the nodes), which every node's :class:`NodeTask` reads at start, also after a requeue.
-The file goes when the job completes and with ``make slurm-cancel``; a job that fails, runs out of
-requeues or is ``scancel``-ed directly leaves it until ``make slurm-cancel JOB=<id>``. No value is
-written into the sbatch script, submitit's pickles, the config, metrics or logs; submission refuses
-if a value would be.
+(``~/.cache/forge-recipes/slurm-secrets/<job id>.json``, 0600 in a 0700 directory; home must be shared
+with the nodes), which every node's :class:`NodeTask` reads at start, also after a requeue. The file
+goes when the job completes and with ``make slurm-cancel``; a job that fails, runs out of requeues or
+is ``scancel``-ed directly leaves it until ``make slurm-cancel JOB=<id>``. No value is written into the
+sbatch script, submitit's pickles, the config, metrics or logs; submission refuses if one would be.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -81,22 +75,20 @@ class Profile:
     """A cluster profile, ``cluster/slurm/<name>.yaml``. Every key is optional; unknown keys fail.
 
     Attributes:
-        partition: ``--partition`` (default: the cluster's default partition).
-        account: ``--account``.
-        qos: ``--qos``.
+        partition, account, qos, constraint: ``--partition`` (default: the cluster's default),
+            ``--account``, ``--qos``, ``--constraint`` (e.g. ``h100``).
         cpus_per_task: ``--cpus-per-task`` (one task per node, so: CPUs per node).
         mem_gb: ``--mem`` per node in GB (default: the partition's default).
         time_min: ``--time`` in minutes.
-        constraint: ``--constraint`` (e.g. ``h100``).
         exclusive: ``--exclusive`` (whole nodes).
         setup: shell lines run by the batch script before ``srun`` (module load, source a venv, ...).
         signal_delay_s: USR2 this many seconds before the time limit, to requeue in time.
         max_requeues_on_timeout: requeues after hitting the time limit (preemptions do not count).
-        attach_timeout_s: rank 0 waits this long for every node's Monarch worker, then fails the job
-            naming the missing hosts.
+        attach_timeout_s: seconds rank 0 waits for every node's Monarch worker, then fails the job naming
+            the missing hosts.
         monarch_port: TCP port of the Monarch worker on every node.
-        sbatch: extra sbatch options, ``{option: value}`` (e.g. ``{reservation: foo}``; ``true`` for a flag);
-            not ``export`` (the launcher's own; a profile's would be overridden, so it is refused).
+        sbatch: extra sbatch options ``{option: value}`` (``true``: a flag), e.g. ``{reservation: foo}``;
+            not ``export`` (the launcher's own: a profile's would be overridden, so it is refused).
     """
 
     partition: Optional[str] = None
@@ -125,16 +117,8 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")) if PROFILE_DIR.is_dir() else []
 
 
-def profile_path(name: str) -> Path:
-    """``cluster/slurm/<name>.yaml``, or ``name`` itself when it is a path to a YAML file."""
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and (p.is_file() or os.sep in name):
-        return p.resolve()
-    return PROFILE_DIR / f"{name}.yaml"
-
-
 def load_profile(name: str) -> tuple[Profile, Path]:
-    """Read and check a profile.
+    """Read and check ``cluster/slurm/<name>.yaml``, or ``name`` itself when it is a path to a YAML file.
 
     Raises:
         SlurmError: the profile does not exist (lists the known ones), a key is unknown (names it,
@@ -142,7 +126,8 @@ def load_profile(name: str) -> tuple[Profile, Path]:
     """
     import yaml
 
-    path = profile_path(name)
+    direct = Path(name).suffix in (".yaml", ".yml") and (Path(name).is_file() or os.sep in name)
+    path = Path(name).resolve() if direct else PROFILE_DIR / f"{name}.yaml"
     if not path.is_file():
         raise SlurmError(f"cluster profile {name!r} not found: {path} (profiles in {PROFILE_DIR}: "
                          f"{', '.join(available_profiles()) or 'none'})")
@@ -152,7 +137,7 @@ def load_profile(name: str) -> tuple[Profile, Path]:
         raise SlurmError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise SlurmError(f"{path}: a profile is a mapping of keys to values, got {type(data).__name__}")
-    known = [f.name for f in dataclasses.fields(Profile)]
+    known = list(_TYPES)  # Profile's fields
     for key, value in data.items():
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
@@ -180,24 +165,19 @@ def cluster_partitions() -> Optional[list[str]]:
     return sorted({line.strip() for line in p.stdout.splitlines() if line.strip()}) if p.returncode == 0 else None
 
 
-def check_partition(prof: Profile, path: Path, partitions: Optional[list[str]]) -> None:
-    """Raise SlurmError naming the partition when the cluster does not have it."""
-    if prof.partition is not None and partitions is not None and prof.partition not in partitions:
-        raise SlurmError(f"partition {prof.partition!r} (from {path}) does not exist on this cluster; "
-                         f"partitions: {', '.join(partitions) or 'none'}")
-
-
 # --------------------------------------------------------------------------- what runs on each node
 
 
 class NodeTask:
     """What every task of the job runs (one task per node); submitit pickles it.
 
-    ``__call__`` runs :func:`launch.node.run_node` with the run id set to the SLURM job id, which
-    a requeue keeps, so a requeued job resumes from the run's newest checkpoint.
-    ``checkpoint`` is submitit's requeue protocol: called on rank 0 on USR2 (time limit or
-    preemption), it returns the same task; the state to resume from is the run's checkpoints.
+    ``__call__`` runs :func:`launch.node.run_node` with the run id set to the SLURM job id, which a
+    requeue keeps, so a requeued job resumes from the run's newest checkpoint. ``checkpoint`` is
+    submitit's requeue protocol (rank 0, on USR2). ``preempt_grace_s``: seconds rank 0 waits for the
+    requeue when it fails after a SIGTERM.
     """
+
+    _signalled_at: Optional[float] = None  # time.monotonic() of this process's SIGTERM; never pickled
 
     def __init__(self, recipe: str, overrides: Sequence[str], attach_timeout_s: float,
                  preempt_grace_s: float = 120.0):
@@ -205,7 +185,6 @@ class NodeTask:
         self.overrides = list(overrides)
         self.attach_timeout_s = attach_timeout_s
         self.preempt_grace_s = preempt_grace_s
-        self._signalled_at: Optional[float] = None
 
     def __repr__(self) -> str:
         return (f"NodeTask(recipe={self.recipe!r}, overrides={self.overrides!r}, "
@@ -214,22 +193,13 @@ class NodeTask:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_signalled_at"}
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._signalled_at = None
-
-    def _watch_sigterm(self) -> None:
-        """Remember when SIGTERM came (preemption, scancel, requeue) and chain to submitit's handler."""
-        prev = signal.getsignal(signal.SIGTERM)
-
-        def on_term(signum, frame):
-            self._signalled_at = time.monotonic()
-            print(f"[slurm] SIGTERM on node {os.environ.get('SLURM_NODEID')}: preemption or requeue "
-                  f"in progress", file=sys.stderr, flush=True)
-            if callable(prev):
-                prev(signum, frame)
-
-        signal.signal(signal.SIGTERM, on_term)
+    def _on_sigterm(self, prev, signum, frame) -> None:
+        """Remember when SIGTERM came (preemption, scancel, requeue) and chain to submitit's handler ``prev``."""
+        self._signalled_at = time.monotonic()
+        print(f"[slurm] SIGTERM on node {os.environ.get('SLURM_NODEID')}: preemption or requeue in progress",
+              file=sys.stderr, flush=True)
+        if callable(prev):
+            prev(signum, frame)
 
     def __call__(self) -> Optional[dict]:
         import submitit
@@ -242,7 +212,7 @@ class NodeTask:
         if names := load_secrets(str(env.job_id)):  # log the names only, never a value
             print(f"[slurm] node {env.node}: {', '.join(names)} set from ${SECRETS_ENV}", flush=True)
         if threading.current_thread() is threading.main_thread():
-            self._watch_sigterm()
+            signal.signal(signal.SIGTERM, functools.partial(self._on_sigterm, signal.getsignal(signal.SIGTERM)))
         try:
             result = run_node("slurm", self.recipe, self.overrides, self.attach_timeout_s)
             if env.global_rank == 0:  # the job is done: no requeue will read the secrets again
@@ -251,9 +221,8 @@ class NodeTask:
         except Exception as e:
             print(f"[slurm] error on node {env.node}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self._signalled_at is not None and env.global_rank == 0:
-                # Actors die on the same signal: this failure is the preemption, not a bug. Give
-                # submitit's USR2 handler (requeue) or SLURM's kill the time to end this process,
-                # so no error result is recorded for a job that is being requeued.
+                # Actors die on the same signal: this failure is the preemption. Give submitit's USR2
+                # handler (requeue) or SLURM's kill time to end this process, so no error result is recorded.
                 print(f"[slurm] {type(e).__name__} after SIGTERM; waiting up to {self.preempt_grace_s:g} s "
                       f"for the requeue", file=sys.stderr, flush=True)
                 time.sleep(self.preempt_grace_s)  # signal handlers run meanwhile
@@ -339,8 +308,10 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     from forge_core.config import load_config, recipe_dir
 
     prof, ppath = load_profile(profile_name)
-    if check_cluster:
-        check_partition(prof, ppath, cluster_partitions())
+    parts = cluster_partitions() if check_cluster else None
+    if prof.partition is not None and parts is not None and prof.partition not in parts:
+        raise SlurmError(f"partition {prof.partition!r} (from {ppath}) does not exist on this cluster; "
+                         f"partitions: {', '.join(parts) or 'none'}")
     overrides = list(overrides)
     if nodes is not None:
         if nodes < 1:
@@ -371,11 +342,10 @@ def sbatch_script(spec: JobSpec) -> str:
     """The batch script of ``spec``, exactly as :func:`submit` submits it (``%j``: the job id).
 
     submitit 1.5.4 has no public call that returns or takes a script, so this writes the one its
-    ``SlurmExecutor`` documents: ``#SBATCH`` options, the setup lines, then srun starting submitit's
-    job runner (``python -m submitit.core._submit FOLDER``: loads the pickled task, handles USR2 with
-    ``checkpoint`` + ``scontrol requeue``). srun gets ``--export=ALL``, else sbatch's ``--export``
-    list (``SLURM_EXPORT_ENV``) would also drop what the setup lines export.
-    """
+    ``SlurmExecutor`` documents: ``#SBATCH`` options, the setup lines, then srun starting submitit's job
+    runner (``python -m submitit.core._submit FOLDER``: loads the pickled task, handles USR2 with
+    ``checkpoint`` + ``scontrol requeue``). srun gets ``--export=ALL``, else sbatch's ``--export`` list
+    (``SLURM_EXPORT_ENV``) would also drop what the setup lines export."""
     opts = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}"
             for k, v in sorted(spec.sbatch.items())]
     srun = shlex.join(["srun", "--unbuffered", "--output", f"{spec.folder}/%j_%t_log.out", "--error",
@@ -438,7 +408,7 @@ def submit(spec: JobSpec) -> dict:
 
 
 def show_job(job_id: str) -> dict[str, str]:
-    """``scontrol show job``'s ``KEY=VALUE`` fields of the job (``JobState``, ``StdOut``, ...); ``{}`` if unknown."""
+    """``scontrol show job``'s ``KEY=VALUE`` fields (``JobState``: ``RUNNING``, ..., ``StdOut``); ``{}`` if unknown."""
     try:
         out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
                              timeout=20).stdout
@@ -452,19 +422,12 @@ def last_job(job_id: Optional[str] = None) -> dict:
     the log folder comes from SLURM (``scontrol show job``: its StdOut path). Raises SlurmError
     when there is no last job."""
     rec = json.loads(LAST_JOB.read_text()) if LAST_JOB.is_file() else None
-    if not job_id:
-        if rec is None:
-            raise SlurmError(f"no job submitted from here yet ({LAST_JOB} is missing); pass a job id")
-        return rec
-    if rec is not None and rec["job_id"] == str(job_id):
+    if rec is None and not job_id:
+        raise SlurmError(f"no job submitted from here yet ({LAST_JOB} is missing); pass a job id")
+    if rec is not None and (not job_id or rec["job_id"] == str(job_id)):
         return rec
     stdout = show_job(job_id).get("StdOut")
     return {"job_id": str(job_id), **({"folder": os.path.dirname(stdout)} if stdout else {})}
-
-
-def job_state(job_id: str) -> Optional[str]:
-    """SLURM's state of the job (``PENDING``, ``RUNNING``, ``COMPLETED``, ...), ``None`` if unknown."""
-    return show_job(job_id).get("JobState")
 
 
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
@@ -474,11 +437,10 @@ ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEU
 def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, poll_s: float = 1.0) -> None:
     """Print task ``task``'s stdout and stderr logs; with ``follow``, keep printing until the job ends."""
     jid = rec["job_id"]
-    folder = rec.get("folder")
-    if not folder:
+    if not (folder := rec.get("folder")):
         raise SlurmError(f"job {jid} was not submitted from here: its log folder is unknown")
     files = [os.path.join(folder, f"{jid}_{task}_log.{kind}") for kind in ("out", "err")]
-    print(f"job {jid} ({job_state(jid) or 'finished'}): {files[0]}  {files[1]}", file=out, flush=True)
+    print(f"job {jid} ({show_job(jid).get('JobState') or 'finished'}): {files[0]}  {files[1]}", file=out, flush=True)
     pos = dict.fromkeys(files, 0)
     while True:
         for f in filter(os.path.exists, files):
@@ -487,7 +449,7 @@ def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, p
                 out.write(fh.read().decode(errors="replace"))
                 pos[f] = fh.tell()
             out.flush()
-        if not follow or (job_state(jid) or "DONE") not in ACTIVE:
+        if not follow or (show_job(jid).get("JobState") or "DONE") not in ACTIVE:
             break
         time.sleep(poll_s)
 
@@ -495,7 +457,7 @@ def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, p
 def cancel(job_id: str) -> str:
     """``scancel`` the job if it is still queued or running and delete its secrets file; returns
     what happened. Raises SlurmError with scancel's message when it fails."""
-    state = job_state(job_id)
+    state = show_job(job_id).get("JobState")
     if state is not None and state not in ACTIVE:
         done = f"job {job_id} already ended ({state}); nothing to cancel"
     else:
@@ -540,14 +502,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--dry-run", action="store_true", help="print the resolved config and the sbatch script")
     s.add_argument("recipe")
     s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. steps=5 layout.generator.host=1")
-    lg = sub.add_parser("logs", help="print (and follow) the logs of a job (default: the last one)")
-    lg.add_argument("job_id", nargs="?")
-    lg.add_argument("--task", type=int, default=0, help="task (= node rank) whose logs to print")
-    lg.add_argument("--no-follow", dest="follow", action="store_false")
-    c = sub.add_parser("cancel", help="scancel a job (default: the last one)")
-    c.add_argument("job_id", nargs="?")
-    st = sub.add_parser("status", help="print a job's SLURM state (default: the last one)")
-    st.add_argument("job_id", nargs="?")
+    for cmd, what in (("logs", "print (and follow) the logs of a job"), ("cancel", "scancel a job"),
+                      ("status", "print a job's SLURM state")):
+        sub.add_parser(cmd, help=f"{what} (default: the last one)").add_argument("job_id", nargs="?")
+    sub.choices["logs"].add_argument("--task", type=int, default=0, help="task (= node rank) whose logs to print")
+    sub.choices["logs"].add_argument("--no-follow", dest="follow", action="store_false")
     a, extra = p.parse_known_args(argv)  # overrides may come after the options
     if extra and (a.cmd != "submit" or any(x.startswith("-") for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -577,7 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif a.cmd == "cancel":
             print(cancel(rec["job_id"]))
         else:
-            print(f"job {rec['job_id']}: {job_state(rec['job_id']) or 'unknown (finished?)'}"
+            print(f"job {rec['job_id']}: {show_job(rec['job_id']).get('JobState') or 'unknown (finished?)'}"
                   + "".join(f"\n  {k}: {rec[k]}" for k in ("run_dir", "log_out", "log_err") if k in rec))
         return 0
     except (ConfigError, SlurmError) as e:
