@@ -1,29 +1,26 @@
 """Policy-gradient losses for RL post-training of LLMs, behind one interface.
 
-Choosing an algorithm is one config key: ``loss=<name>`` selects one of the dataclasses in
-:data:`LOSS_CONFIGS` (its own parameters live under it) and :func:`compute_loss` dispatches on
-``cfg.name``. Every loss sees the same inputs and returns ``(loss, metrics)``:
+``loss=<name>`` selects one of the configs in :data:`LOSS_CONFIGS` (its own parameters live under it)
+and :func:`compute_loss` dispatches on ``cfg.name``. Every loss takes the same inputs, all treated as
+constants except ``logprobs``, and returns ``(loss, metrics)``:
 
-* ``logprobs``            [B, T]  per-token log pi_theta(y_t | x, y_<t) of the policy being trained
-                                  (the only input gradients flow into);
-* ``behaviour_logprobs``  [B, T]  log-probs of the same tokens under the generator (pi_old / the
-                                  sampler, e.g. vLLM); treated as constants;
+* ``logprobs``            [B, T]  per-token log pi_theta(y_t | x, y_<t) of the policy being trained;
+* ``behaviour_logprobs``  [B, T]  the same tokens' log-probs under the generator (pi_old, e.g. vLLM);
 * ``ref_logprobs``        [B, T]  log-probs under the frozen reference model, or ``None``
-                                  (needed only when ``cfg.beta > 0``); treated as constants;
+                                  (needed only when ``cfg.beta > 0``);
 * ``advantages``          [B] (one per sequence, broadcast over its tokens) or [B, T];
 * ``mask``                [B, T]  1/True on response tokens that count, 0/False elsewhere.
 
-Conventions used by every function in this module
--------------------------------------------------
-* The returned loss is what is *minimised*: minus the surrogate objective of the paper, plus
-  ``beta * KL`` when ``beta > 0``. The per-token losses are reduced by :func:`aggregate`.
-* Computation happens in float32 (float64 when the policy logprobs are float64), whatever the
-  input dtype: bf16/fp16 inputs are upcast before any arithmetic, so the loss is float32.
-* Masked positions never leak into values or gradients, even when they hold garbage
-  (``-inf``/``nan``): inputs are replaced by 0 there *before* any ``exp``.
-* Clip boundaries: a ratio exactly on a boundary counts as inside the trust region (full
-  gradient, not counted in the clip fractions); strictly beyond it is clipped.
-* Notation: r_t = pi_theta / pi_behaviour = exp(logprobs - behaviour_logprobs); A = advantage;
+Conventions of every function in this module:
+
+* The loss is *minimised*: minus the paper's surrogate objective, plus ``beta * KL`` when
+  ``beta > 0``, per token, reduced by :func:`aggregate`.
+* Arithmetic is float32 (float64 when ``logprobs`` is float64): bf16/fp16 inputs are upcast first.
+* Masked positions never leak into values or gradients, even holding ``-inf``/``nan``: inputs are
+  replaced by 0 there *before* any ``exp``.
+* A ratio exactly on a clip boundary is inside the trust region (full gradient, not counted in
+  the clip fractions); strictly beyond it is clipped.
+* r_t = pi_theta / pi_behaviour = exp(logprobs - behaviour_logprobs); A = advantage;
   sg(.) = stop-gradient (``.detach()``).
 
 References (arXiv ids): GRPO 2402.03300, Dr. GRPO 2503.20783, DAPO 2503.14476, dual-clip PPO
@@ -36,7 +33,7 @@ divergence", http://joschu.net/blog/kl-approx.html.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -92,9 +89,6 @@ class LossConfig:
         aggregation: ``"token_mean" | "seq_mean" | "fixed_horizon"``, see :func:`aggregate`.
         horizon: the max length L used by ``fixed_horizon`` (loss = sum / (B * L)); ``None``
             means the padded width T of the batch. Ignored by the other aggregations.
-
-    Works as a dataclass or as an OmegaConf ``DictConfig`` with the same fields: the loss code
-    only reads attributes.
     """
 
     name: str = "grpo"
@@ -280,11 +274,6 @@ def make_loss_config(name: str, **overrides: Any) -> LossConfig:
     return LOSS_CONFIGS[name](**overrides)
 
 
-# --------------------------------------------------------------------------------------------
-# Shared helpers
-# --------------------------------------------------------------------------------------------
-
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; everything else (bf16, fp16, fp32, ints) computes in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -327,9 +316,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator={estimator!r}; expected one of {KL_ESTIMATORS}")
     if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(
-            f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected {tuple(logprobs.shape)}"
-        )
+        raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected {tuple(logprobs.shape)}")
     dtype = _compute_dtype(logprobs.dtype)
     x = logprobs.to(dtype) - ref_logprobs.detach().to(dtype)
     if estimator == "k1":
@@ -380,24 +367,18 @@ def aggregate(
         raise ValueError(f"unknown aggregation={mode!r}; expected one of {AGGREGATIONS}")
     _check_2d("per_token", per_token)
     _check_2d("mask", mask, per_token.shape)
-    m = mask if mask.dtype == torch.bool else mask != 0
-    masked = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    m, dtype = mask != 0, per_token.dtype
+    masked = torch.where(m, per_token, 0.0)
     if mode == "token_mean":
-        return masked.sum() / m.sum().clamp(min=1).to(per_token.dtype)
+        return masked.sum() / m.sum().clamp(min=1).to(dtype)
     if mode == "seq_mean":
         n = m.sum(dim=1)
-        per_seq = masked.sum(dim=1) / n.clamp(min=1).to(per_token.dtype)
-        return per_seq.sum() / (n > 0).sum().clamp(min=1).to(per_token.dtype)
+        per_seq = masked.sum(dim=1) / n.clamp(min=1).to(dtype)
+        return per_seq.sum() / (n > 0).sum().clamp(min=1).to(dtype)
     length = per_token.shape[1] if horizon is None else int(horizon)
     if length <= 0:
         raise ValueError(f"horizon must be a positive int or None, got {horizon!r}")
     return masked.sum() / float(per_token.shape[0] * length)
-
-
-# --------------------------------------------------------------------------------------------
-# Per-token policy terms. Each gets already-masked, upcast tensors (masked positions hold 0
-# and so ratio 1) and returns a _PolicyTerm. The per-token loss is to be minimised.
-# --------------------------------------------------------------------------------------------
 
 
 class _PolicyTerm(NamedTuple):
@@ -408,109 +389,59 @@ class _PolicyTerm(NamedTuple):
     extra: dict  # loss-specific metrics: name -> [B, T] tensor to average over unmasked tokens
 
 
-def _ppo_clip(
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: Optional[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """PPO clipped surrogate min(r A, clip(r) A) (arXiv:1707.06347), optional dual clip.
+def _policy_term(cfg: Any, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, m: torch.Tensor) -> _PolicyTerm:
+    """Per-token policy term of loss ``cfg.name`` (formula and paper in its config's docstring).
 
-    Written with explicit branch masks instead of min/clamp so the gradient at a tie is
-    well defined (on the boundary: inside). Returns (objective, clipped_low, clipped_high,
-    dual_clipped), all [B, T].
+    Gets [B, T] inputs already upcast and masked (masked positions hold 0, so ratio 1).
     """
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    pos, neg = adv > 0, adv < 0
-    # min(rA, clip(r)A) picks the clipped value only when clipping lowers the objective:
-    # A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
-    clipped_high = pos & (ratio > hi)
-    clipped_low = neg & (ratio < lo)
-    obj = ratio * adv
-    obj = torch.where(clipped_high, hi * adv, obj)
-    obj = torch.where(clipped_low, lo * adv, obj)
-    dual = None
-    if dual_clip is not None:
-        # max(min(rA, clip(r)A), cA) for A < 0 (arXiv:1912.09729 eq. 4): the lower bound cA
-        # is taken when the clipped objective falls strictly below it (for c > 1 + clip_high
-        # that is exactly r > c).
-        dual = neg & (obj < dual_clip * adv)
-        obj = torch.where(dual, dual_clip * adv, obj)
-    return obj, clipped_low, clipped_high, dual
-
-
-def _term_ppo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
-    """GRPO / Dr. GRPO / DAPO per-token term (see their configs)."""
-    ratio = torch.exp(lp - old)
-    dual_clip = cfg.dual_clip
-    obj, c_lo, c_hi, dual = _ppo_clip(ratio, adv, float(cfg.clip_low), float(cfg.clip_high),
-                                      None if dual_clip is None else float(dual_clip))
-    extra = {} if dual is None else {"clip_frac_dual": dual}
-    return _PolicyTerm(-obj, ratio.detach(), c_lo, c_hi, extra)
-
-
-def _term_gspo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
-    """GSPO-token (arXiv:2507.18071 sec. 4.3): s_it = sg(s_i) * pi_t / sg(pi_t).
-
-    s_it equals the sequence ratio s_i in value, and d s_it / d logp_t = s_i. With the same
-    advantage on all tokens of a sequence this reproduces the gradient of the sequence-level
-    objective, s_i A_i * mean_t grad logp_t, under every aggregation.
-    """
-    n = m.sum(dim=1).clamp(min=1).to(lp.dtype)
-    seq_log_ratio = (lp - old).sum(dim=1) / n  # masked positions hold 0
-    s_tok = torch.exp(seq_log_ratio.detach().unsqueeze(1) + lp - lp.detach())
-    obj, c_lo, c_hi, _ = _ppo_clip(s_tok, adv, float(cfg.clip_low), float(cfg.clip_high), None)
-    return _PolicyTerm(-obj, s_tok.detach(), c_lo, c_hi, {})
-
-
-def _term_cispo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
-    """CISPO (arXiv:2506.13585 eq. 4-5): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp."""
-    ratio = torch.exp(lp - old).detach()
-    lo, hi = 1.0 - float(cfg.clip_low), 1.0 + float(cfg.clip_high)
-    weight = ratio.clamp(min=lo, max=hi)
-    return _PolicyTerm(-(weight * adv * lp), ratio, ratio < lo, ratio > hi, {})
-
-
-def _term_sapo(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
-    """SAPO (arXiv:2511.20347): -sigmoid(tau (r - 1)) * 4 / tau * A, tau by the sign of A."""
-    ratio = torch.exp(lp - old)
-    tau_pos, tau_neg = float(cfg.tau_pos), float(cfg.tau_neg)
-    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
-    sig = torch.sigmoid(tau * (ratio - 1.0))
-    gate = sig * (4.0 / tau)
-    with torch.no_grad():  # the soft gate's gradient weight f'(r) r, 1 on policy
-        grad_weight = 4.0 * sig * (1.0 - sig) * ratio
-    return _PolicyTerm(-(gate * adv), ratio.detach(), None, None, {"sapo_grad_weight_mean": grad_weight})
-
-
-def _term_reinforce(cfg: Any, lp, old, adv, m) -> _PolicyTerm:
-    """REINFORCE (Williams 1992): -w * A * logp with w = sg(min(r, C)) (TIS) or 1."""
-    cap = cfg.tis_cap
-    ratio = torch.exp(lp - old).detach()
-    if cap is None:
-        return _PolicyTerm(-(adv * lp), ratio, None, None, {})
-    cap = float(cap)
-    weight = ratio.clamp(max=cap)
-    return _PolicyTerm(-(weight * adv * lp), ratio, None, ratio > cap, {})
-
-
-_TERMS: dict[str, Callable[..., _PolicyTerm]] = {
-    "grpo": _term_ppo,
-    "dr_grpo": _term_ppo,
-    "dapo": _term_ppo,
-    "gspo": _term_gspo,
-    "cispo": _term_cispo,
-    "sapo": _term_sapo,
-    "reinforce": _term_reinforce,
-}
-
-
-def _validate(cfg: Any) -> str:
-    """Check a loss config (dataclass or DictConfig); return its name. Raises ValueError."""
     name = cfg.name
-    if name not in _TERMS:
-        raise ValueError(f"unknown loss name={name!r}; expected one of {sorted(_TERMS)}")
+    if name == "gspo":
+        # GSPO-token (arXiv:2507.18071 sec. 4.3): s_it = sg(s_i) * pi_t / sg(pi_t) equals s_i in value and
+        # d s_it / d logp_t = s_i: with one advantage per sequence, this is the gradient of the sequence-level
+        # objective, s_i A_i * mean_t grad logp_t, under every aggregation.
+        seq_log_ratio = (lp - old).sum(dim=1) / m.sum(dim=1).clamp(min=1).to(lp.dtype)  # masked: 0
+        ratio = torch.exp(seq_log_ratio.detach().unsqueeze(1) + lp - lp.detach())
+    else:
+        ratio = torch.exp(lp - old)
+    r = ratio.detach()
+    if name == "sapo":  # arXiv:2511.20347: -sigmoid(tau (r - 1)) * 4 / tau * A, tau by the sign of A
+        tau = torch.where(adv > 0, torch.full_like(adv, float(cfg.tau_pos)), torch.full_like(adv, float(cfg.tau_neg)))
+        sig = torch.sigmoid(tau * (ratio - 1.0))
+        with torch.no_grad():  # the soft gate's gradient weight f'(r) r, 1 on policy
+            grad_weight = 4.0 * sig * (1.0 - sig) * ratio
+        return _PolicyTerm(-(sig * (4.0 / tau) * adv), r, None, None, {"sapo_grad_weight_mean": grad_weight})
+    if name == "cispo":  # arXiv:2506.13585 eq. 4-5: -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp
+        lo, hi = 1.0 - float(cfg.clip_low), 1.0 + float(cfg.clip_high)
+        return _PolicyTerm(-(r.clamp(min=lo, max=hi) * adv * lp), r, r < lo, r > hi, {})
+    if name == "reinforce":  # Williams 1992: -w * A * logp with w = sg(min(r, C)) (TIS, Yao et al. 2025) or 1
+        if cfg.tis_cap is None:
+            return _PolicyTerm(-(adv * lp), r, None, None, {})
+        cap = float(cfg.tis_cap)
+        return _PolicyTerm(-(r.clamp(max=cap) * adv * lp), r, None, r > cap, {})
+    # GRPO / Dr. GRPO / DAPO / GSPO: PPO's clipped surrogate min(r A, clip(r) A) (arXiv:1707.06347),
+    # written with explicit branch masks instead of min/clamp so the gradient at a tie is well
+    # defined (on the boundary: inside). The clipped value is picked only when clipping lowers the
+    # objective: A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low.
+    lo, hi = 1.0 - float(cfg.clip_low), 1.0 + float(cfg.clip_high)
+    clipped_high = (adv > 0) & (ratio > hi)
+    clipped_low = (adv < 0) & (ratio < lo)
+    obj = torch.where(clipped_high, hi * adv, ratio * adv)
+    obj = torch.where(clipped_low, lo * adv, obj)
+    extra = {}
+    if name != "gspo" and cfg.dual_clip is not None:
+        # max(min(rA, clip(r)A), cA) for A < 0 (arXiv:1912.09729 eq. 4): the lower bound cA is taken
+        # when the clipped objective falls strictly below it (for c > 1 + clip_high: exactly r > c).
+        c = float(cfg.dual_clip)
+        extra["clip_frac_dual"] = dual = (adv < 0) & (obj < c * adv)
+        obj = torch.where(dual, c * adv, obj)
+    return _PolicyTerm(-obj, r, clipped_low, clipped_high, extra)
+
+
+def _validate(cfg: Any) -> None:
+    """Check a loss config (dataclass or DictConfig). Raises ValueError."""
+    name = cfg.name
+    if name not in LOSS_CONFIGS:
+        raise ValueError(f"unknown loss name={name!r}; expected one of {sorted(LOSS_CONFIGS)}")
     if cfg.kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator={cfg.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
     if cfg.aggregation not in AGGREGATIONS:
@@ -521,16 +452,14 @@ def _validate(cfg: Any) -> str:
         for field in ("clip_low", "clip_high"):
             if not float(getattr(cfg, field)) >= 0.0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)!r}")
-    if name in ("grpo", "dr_grpo", "dapo") and cfg.dual_clip is not None:
-        if not float(cfg.dual_clip) > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {cfg.dual_clip!r}")
+    if name in ("grpo", "dr_grpo", "dapo") and cfg.dual_clip is not None and not float(cfg.dual_clip) > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {cfg.dual_clip!r}")
     if name == "sapo":
         for field in ("tau_pos", "tau_neg"):
             if not float(getattr(cfg, field)) > 0.0:
                 raise ValueError(f"{field} must be > 0, got {getattr(cfg, field)!r}")
     if name == "reinforce" and cfg.tis_cap is not None and not float(cfg.tis_cap) > 0.0:
         raise ValueError(f"tis_cap must be > 0 (or None), got {cfg.tis_cap!r}")
-    return name
 
 
 def compute_loss(
@@ -579,7 +508,7 @@ def compute_loss(
             for advantages), an empty batch, or ``beta > 0`` without ``ref_logprobs``.
         TypeError: inputs that are not tensors.
     """
-    name = _validate(cfg)
+    _validate(cfg)
     _check_2d("logprobs", logprobs)
     shape = logprobs.shape
     _check_2d("behaviour_logprobs", behaviour_logprobs, shape)
@@ -589,10 +518,8 @@ def compute_loss(
     if not isinstance(advantages, torch.Tensor):
         raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
     if advantages.shape not in (shape, shape[:1]):
-        raise ValueError(
-            f"advantages has shape {tuple(advantages.shape)}, expected [B]={tuple(shape[:1])} "
-            f"or [B, T]={tuple(shape)}"
-        )
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [B]={tuple(shape[:1])} "
+                         f"or [B, T]={tuple(shape)}")
     if logprobs.numel() == 0:
         raise ValueError(f"empty batch: logprobs has shape {tuple(shape)}")
     beta = float(cfg.beta)
@@ -600,67 +527,47 @@ def compute_loss(
         raise ValueError(f"beta={beta} > 0 needs ref_logprobs (got None); set beta=0 to disable the KL term")
 
     dtype = _compute_dtype(logprobs.dtype)
-    m = mask if mask.dtype == torch.bool else mask != 0
-    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    m = mask != 0
     # Zero every input on masked positions before any arithmetic: no inf/nan can leak.
-    lp = torch.where(m, logprobs.to(dtype), zero)
-    old = torch.where(m, behaviour_logprobs.detach().to(dtype), zero)
+    lp = torch.where(m, logprobs.to(dtype), 0.0)
+    old = torch.where(m, behaviour_logprobs.detach().to(dtype), 0.0)
     adv = advantages.detach().to(dtype)
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(1).expand(shape)
-    adv = torch.where(m, adv, zero)
+    adv = torch.where(m, adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv, 0.0)
 
-    term = _TERMS[name](cfg, lp, old, adv, m)
+    term = _policy_term(cfg, lp, old, adv, m)
     per_token = term.loss
     kl = None
     if ref_logprobs is not None:
-        ref = torch.where(m, ref_logprobs.detach().to(dtype), zero)
-        kl = kl_estimate(lp, ref, cfg.kl_estimator)
+        kl = kl_estimate(lp, torch.where(m, ref_logprobs.detach().to(dtype), 0.0), cfg.kl_estimator)
         if beta > 0:
             per_token = per_token + beta * kl
-    horizon = getattr(cfg, "horizon", None)
-    loss = aggregate(per_token, m, cfg.aggregation, horizon)
+    loss = aggregate(per_token, m, cfg.aggregation, getattr(cfg, "horizon", None))
     return loss, _metrics(term, kl, m)
 
 
 def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> dict[str, float]:
-    """Reduce the per-token statistics with one device->host copy."""
+    """Reduce the per-token statistics to the metrics of :func:`compute_loss` with one device->host copy."""
     with torch.no_grad():
         dtype = term.ratio.dtype
         n = m.sum()
         denom = n.clamp(min=1).to(dtype)
-        inf = torch.tensor(float("inf"), dtype=dtype, device=m.device)
         zero = torch.zeros((), dtype=dtype, device=m.device)
+
+        def mean(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(m, x, zero).sum() / denom
 
         def frac(flags: Optional[torch.Tensor]) -> torch.Tensor:
             return zero if flags is None else (flags & m).sum().to(dtype) / denom
 
-        ratio = term.ratio
-        stats = [
-            n.to(dtype),
-            torch.where(m, ratio, zero).sum() / denom,
-            torch.where(m, ratio, inf).amin(),
-            torch.where(m, ratio, -inf).amax(),
-            frac(term.clipped_low),
-            frac(term.clipped_high),
-        ]
-        if kl is not None:
-            kl = kl.detach()
-            stats += [torch.where(m, kl, zero).sum() / denom, torch.where(m, kl, -inf).amax()]
-        else:
-            stats += [zero, zero]
-        extra_keys = list(term.extra)
-        for key in extra_keys:
-            v = term.extra[key]
-            stats.append(frac(v) if v.dtype == torch.bool else torch.where(m, v.to(dtype), zero).sum() / denom)
-        values = torch.stack(stats).tolist()
+        r = term.ratio
+        stats = [n.to(dtype), mean(r), torch.where(m, r, float("inf")).amin(), torch.where(m, r, -float("inf")).amax(),
+                 frac(term.clipped_low), frac(term.clipped_high)]
+        stats += [zero, zero] if kl is None else [mean(kl), torch.where(m, kl, -float("inf")).amax()]
+        stats += [frac(v) if v.dtype == torch.bool else mean(v.to(dtype)) for v in term.extra.values()]
+        count, *values = torch.stack(stats).tolist()
 
-    count, values = values[0], values[1:]
-    out = dict(zip(("ratio_mean", "ratio_min", "ratio_max", "clip_frac_low", "clip_frac_high",
-                    "kl_mean", "kl_max"), values[:7]))
-    out.update(zip(extra_keys, values[7:]))
+    out = dict(zip(METRIC_KEYS[:7] + tuple(term.extra), values))
     if count == 0:  # nothing unmasked: neutral values instead of +-inf / NaN
-        out = {k: 0.0 for k in out}
-        out.update(ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
+        out = {k: 1.0 if k.startswith("ratio_") else 0.0 for k in out}
     out["masked_frac"] = 1.0 - count / m.numel()
     return out

@@ -24,6 +24,8 @@ every receiver of version v has loaded it: the controller awaits the whole sync 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import hashlib
 import os
@@ -123,15 +125,13 @@ def remove_shm_buffers(pid: int) -> None:
     if _SHM_DIR:
         for name in os.listdir(_SHM_DIR):
             if name.startswith(f"forge-weights-{pid}-"):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(_SHM_DIR, name))
-                except FileNotFoundError:
-                    pass
 
 
 class StagingBuffer:
-    """Every published tensor back to back (``layout`` order) in ``dtype`` on ``device``; CPU
-    buffers live in a shared-memory file so that processes of the same host can map them.
+    """Every published tensor back to back (``layout`` order) in ``dtype`` on ``device``, ``nbytes``
+    bytes; CPU buffers live in a shared-memory file so that processes of the same host can map them.
 
     Args:
         layout: ``[(hf_name, shape, numel)]``.
@@ -143,23 +143,17 @@ class StagingBuffer:
         self.layout = [(n, tuple(s), int(k)) for n, s, k in layout]
         self.dtype = dtype
         total = sum(k for *_, k in self.layout)
-        nbytes = total * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = total * torch.empty((), dtype=dtype).element_size()
         self.path = None
         if torch.device(device).type == "cpu" and _SHM_DIR:
             self.path = os.path.join(_SHM_DIR, f"forge-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            self.flat = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8).view(dtype)
+            self.flat = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8).view(dtype)
         else:
             self.flat = torch.empty(total, dtype=dtype, device=device)
         self.views = dict(layout_views(self.flat, self.layout))
         self.key = (os.getpid(), uuid.uuid4().hex)
         _LOCAL[self.key] = self.flat
-        self._rdma = None
-        self._ipc = None
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return self.flat.numel() * self.flat.element_size()
+        self._rdma = self._ipc = None
 
     def fill(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the buffer (casting); every layout name must come.
@@ -219,24 +213,20 @@ def open_ipc(handle: WeightHandle) -> torch.Tensor:
     Raises:
         RuntimeError: the sender's GPU is not visible here, or its shared-memory file is gone.
     """
-    kind = handle.ipc[0]
-    key = handle.ipc[-1]
-    if key in _LOCAL:
-        return _LOCAL[key]
+    if handle.ipc[-1] in _LOCAL:
+        return _LOCAL[handle.ipc[-1]]
     dtype = getattr(torch, handle.dtype)
-    if kind == "shm":
+    if handle.ipc[0] == "shm":
         path = handle.ipc[1]
         if not os.path.exists(path):
             raise RuntimeError(f"weight sync: the sender's shared-memory buffer {path} is gone (sender died?)")
         return torch.from_file(path, shared=True, size=handle.nbytes, dtype=torch.uint8).view(dtype)
     _, fn, args, uuid_, _ = handle.ipc
-    args = list(args)
     local = next((i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == uuid_), None)
     if local is None:
         raise RuntimeError(f"weight sync: the sender's GPU {uuid_} is not visible in this process "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
-    args[6] = local  # storage_device
-    return fn(*args)
+    return fn(*args[:6], local, *args[7:])  # args[6]: the storage device
 
 
 def ipc_buckets(layout: list, bucket_elems: int) -> list[tuple[int, int, list]]:
@@ -332,26 +322,14 @@ def group(info: GroupInfo, rank: int, timeout_s: float, cuda: bool, store: Any =
 def broadcast(pg: Any, flat: torch.Tensor, bucket_bytes: int) -> None:
     """Broadcast ``flat`` from rank 0 to every member in slices of ``bucket_bytes`` (in place on
     receivers); on CUDA on a side stream, so the caller's stream is not held; returns when done."""
-    import torch.distributed as dist
-
     raw = flat.view(torch.uint8)
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
     stream = torch.cuda.Stream(raw.device) if raw.is_cuda else None
-    with torch.cuda.stream(stream) if stream is not None else _nullctx():
-        works = [pg.broadcast([raw[i:i + bucket_bytes]], opts) for i in range(0, raw.numel(), bucket_bytes)]
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        works = [pg.broadcast(raw[i:i + bucket_bytes], 0) for i in range(0, raw.numel(), bucket_bytes)]
         for w in works:
             w.wait()
     if stream is not None:
         stream.synchronize()
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 class Sender:
@@ -360,7 +338,7 @@ class Sender:
 
     Args:
         addr: an address of this host that every receiver can reach.
-        timeout_s: group formation and transfer timeout.
+        timeout_s: group formation and transfer timeout, in seconds.
     """
 
     def __init__(self, addr: str, timeout_s: float):
@@ -369,30 +347,25 @@ class Sender:
         self.timeout_s = timeout_s
         self.store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
-        self.addr = addr
-        self.generation = 0
-        self.world = 1
+        self.group_info = GroupInfo(addr, self.store.port, 1)
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
-        self.last_s = 0.0
 
     def info(self, world: int, generation: int) -> GroupInfo:
         """The group to broadcast to: ``world`` members including this sender."""
-        self.world, self.generation = world, generation
-        return GroupInfo(self.addr, self.store.port, world, generation)
+        self.group_info = GroupInfo(self.group_info.addr, self.store.port, world, generation)
+        return self.group_info
 
     def start(self, flat: torch.Tensor, bucket_bytes: int) -> None:
         """Broadcast ``flat`` in the background (joins the previous broadcast first)."""
         self.wait()
-        info = GroupInfo(self.addr, self.store.port, self.world, self.generation)
+        info = self.group_info
 
         def run():
-            t0 = time.perf_counter()
             try:
                 broadcast(group(info, 0, self.timeout_s, flat.is_cuda, self.store), flat, bucket_bytes)
             except BaseException as e:  # reported by wait()
                 self.error = e
-            self.last_s = time.perf_counter() - t0
 
         self.thread = threading.Thread(target=run, name="forge-weight-send", daemon=True)
         self.thread.start()
@@ -435,8 +408,6 @@ class Receiver:
             self.buf = StagingBuffer(handle.layout, dtype, self.device)
         t0 = time.perf_counter()
         if transport == "nccl":
-            import asyncio
-
             pg = await asyncio.to_thread(group, handle.group, rank, timeout_s, self.buf.flat.is_cuda)
             await asyncio.to_thread(broadcast, pg, self.buf.flat, bucket_bytes)
         elif transport == "rdma":
