@@ -36,6 +36,7 @@ in a row end the run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -47,6 +48,7 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from forge_core import checkpoint
 from forge_core.advantages import compute_advantages
@@ -135,20 +137,18 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
     for i, g in enumerate(svc.generators):
         same = g.slot.host == t.slot.host
         if not same and g.slot.host in leader:
-            j = leader[g.slot.host]
-            routes.append(("follow", j))
-            print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {svc.generators[j].name} (node "
-                  f"{g.slot.host}): follow (loads its staged copy over ipc: the bytes cross to a node once)",
-                  file=sys.stderr, flush=True)
-            continue
-        how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
-        if how == "nccl":
-            rank += 1
-        routes.append((how, rank if how == "nccl" else 0))
-        if not same:
-            leader[g.slot.host] = i
-        print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- trainer (node {t.slot.host}): {how} ({why})",
-              file=sys.stderr, flush=True)
+            src = svc.generators[leader[g.slot.host]]
+            how, why = "follow", "loads its staged copy over ipc: the bytes cross to a node once"
+            routes.append((how, leader[g.slot.host]))
+        else:
+            src = t
+            how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
+            rank += how == "nccl"
+            routes.append((how, rank if how == "nccl" else 0))
+            if not same:
+                leader[g.slot.host] = i
+        print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {src.name} (node {src.slot.host}): "
+              f"{how} ({why})", file=sys.stderr, flush=True)
     return routes
 
 
@@ -165,6 +165,7 @@ class Controller:
     def __init__(self, cfg: DictConfig, out_dir: str, hosts: Any = None, progress: bool = True):
         self.cfg = cfg
         self.out_dir = out_dir
+        self.ckpt_root = os.path.join(out_dir, "checkpoints")
         self.hosts = hosts
         self.progress = progress
         self.B = cfg.prompts_per_step * cfg.generator.group_size
@@ -187,30 +188,29 @@ class Controller:
         self.restart_times: dict[str, list] = {}
         self.restarts = {"generator": 0, "reward": 0, "reference": 0}
         self.skipped_batches = 0
+        self.bad_in_a_row = 0  # skipped steps in a row
         self.checkpoint_failures = 0
         self.ref_digest = ""
         self.weight_dtype: Optional[str] = None  # the generators' weight dtype: what the trainer publishes
 
+    async def _set(self, **attrs: Any) -> None:
+        """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
+        async with self.changed:
+            for k, v in attrs.items():
+                setattr(self, k, v)
+            self.changed.notify_all()
+
     # ---- checkpoints -------------------------------------------------------------------------
-    @property
-    def ckpt_root(self) -> str:
-        return os.path.join(self.out_dir, "checkpoints")
-
-    def latest_checkpoint(self) -> Optional[str]:
-        """The newest checkpoint that verifies against its manifest (see :func:`checkpoint.resume_point`)."""
-        return checkpoint.resume_point(self.ckpt_root)
-
     async def save_checkpoint(self) -> Optional[str]:
         """Write ``checkpoints/step_NNNNNN`` atomically (temp dir, manifest last, rename) and keep the
         newest ``checkpoint.keep``. A full disk leaves the previous checkpoint as it was, says so
         and returns None; other errors raise."""
-        s = self.svc
         final = os.path.join(self.ckpt_root, f"step_{self.step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            await call("trainer", s.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
-            held = await call("replay_buffer", s.buffer.state)
+            await call("trainer", self.svc.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
+            held = await call("replay_buffer", self.svc.buffer.state)
             torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
             with open(os.path.join(tmp, "controller.json"), "w") as f:
                 json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
@@ -226,7 +226,7 @@ class Controller:
             # the last line of an actor's error is its exception (the lines before: a traceback)
             lines = [l.strip() for l in str(e.__cause__ or e).splitlines() if l.strip()] or [repr(e)]
             checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({lines[-1][:200]}); "
-                            f"{'the previous checkpoint ' + prev[-1] + ' is intact' if prev else 'no earlier checkpoint'}")
+                            + (f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint"))
             return None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -239,8 +239,7 @@ class Controller:
         Raises:
             RuntimeError: the trainer's version and the checkpoint's step disagree.
         """
-        s = self.svc
-        version = await call("trainer", s.trainer.load, path)
+        version = await call("trainer", self.svc.trainer.load, path)
         with open(os.path.join(path, "controller.json")) as f:
             st = json.load(f)
         self.step, self.batches_made = st["step"], st["batches_made"]
@@ -250,7 +249,7 @@ class Controller:
         self.restarts.update(st.get("restarts", {}))
         self.source.load_state_dict(st["source"])
         held = torch.load(os.path.join(path, "buffer.pt"), weights_only=False)["episodes"]
-        await call("replay_buffer", s.buffer.restore, held)
+        await call("replay_buffer", self.svc.buffer.restore, held)
         self.buffered = len(held)
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
@@ -287,32 +286,32 @@ class Controller:
         (see the module docstring); nothing when it was already replaced since. Raises ActorFailed
         when its restarts are used up."""
         name = failed.name
-        if name.startswith("generator"):
-            async with self.sync_lock:
-                if self._current(name) is not failed:
-                    return  # the weight sync already respawned it
-                self._count_restart(name, error)
-                t0 = time.perf_counter()
-                await self.svc.respawn(name)
-                self.generation += 1
-                await self._sync_locked()
-        else:
+        generator = name.startswith("generator")
+        async with self.sync_lock if generator else contextlib.nullcontext():
+            if self._current(name) is not failed:
+                return  # the weight sync already respawned it
             self._count_restart(name, error)
             t0 = time.perf_counter()
             await self.svc.respawn(name)
-            if name == "reference":
-                digest = await call(name, self.svc.reference.rebuild_initial, timeout_s=self.cfg.fault.call_timeout_s)
+            if generator:
+                self.generation += 1
+                await self._sync_locked()
+            elif name == "reference":
+                digest = await call(name, self.svc.reference.rebuild_initial,
+                                    timeout_s=self.cfg.fault.call_timeout_s)
                 if digest != self.ref_digest:
-                    raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from version "
-                                      f"0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random init "
-                                      f"cannot be rebuilt; resume the run from its last checkpoint")
+                    raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from "
+                                      f"version 0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random "
+                                      f"init cannot be rebuilt; resume the run from its last checkpoint")
         self._record_fault(name, error, t0)
 
-    async def _supervised(self, name: str, endpoint: str, *args: Any, tokens: float = 0, all_ranks: bool = False) -> Any:
-        """Call ``endpoint`` of the reward or the reference with a deadline; on a death or a missed
-        deadline, respawn it (:meth:`_revive`) and call again."""
+    async def _supervised(self, name: str, endpoint: str, *args: Any, tokens: float = 0,
+                          all_ranks: bool = False) -> Any:
+        """Call ``endpoint`` of the service ``name`` (the reward, the reference or a generator replica)
+        with a deadline for ``tokens`` tokens of work; on a death or a missed deadline, respawn it
+        (:meth:`_revive`: a replica with the current weights) and make the same call again."""
         while True:
-            svc: Service = getattr(self.svc, name)
+            svc = self._current(name)
             try:
                 fn = call_all if all_ranks else call
                 return await fn(name, getattr(svc, endpoint), *args, timeout_s=self._deadline(tokens))
@@ -329,42 +328,33 @@ class Controller:
         try:
             await self._rollouts()
         except Exception as e:
-            async with self.changed:
-                self.rollout_error = e
-                self.changed.notify_all()
+            await self._set(rollout_error=e)
             raise
 
     async def _generate(self, problems: list, k: int, replicas: list[int]) -> tuple[list[Episode], dict]:
         """Generate batch ``k`` over ``replicas`` (whole groups each); episodes in problem order."""
-        cfg = self.cfg
+        cfg, G = self.cfg, self.cfg.generator.group_size
         plan = self.dispatcher.assign(len(problems), replicas)
         t0 = time.perf_counter()
 
-        async def one(r: int, groups: list[int]) -> tuple[int, list[int], list[Episode], dict]:
+        async def one(r: int, groups: list[int]) -> tuple[list[Episode], dict]:
             ta = time.perf_counter()
-            tokens = len(groups) * cfg.generator.group_size * cfg.generator.max_response_tokens
-            while True:
-                g = self.svc.generators[r]
-                try:
-                    eps, st = await call(g.name, g.generate, [problems[i] for i in groups],
-                                         cfg.seed * 100_003 + k * 1_009 + r, timeout_s=self._deadline(tokens))
-                    break
-                except ActorFailed as e:  # respawned with the current weights, then the same request again
-                    await self._revive(g, e)
+            got = await self._supervised(self.svc.generators[r].name, "generate", [problems[i] for i in groups],
+                                         cfg.seed * 100_003 + k * 1_009 + r,
+                                         tokens=len(groups) * G * cfg.generator.max_response_tokens)
             self.dispatcher.done(r, len(groups), time.perf_counter() - ta)
-            return r, groups, eps, st
+            return got
 
-        out: list[Optional[Episode]] = [None] * (len(problems) * cfg.generator.group_size)
-        G = cfg.generator.group_size
-        tokens = 0
-        for r, groups, eps, st in await asyncio.gather(*(one(r, gs) for r, gs in plan.items())):
-            tokens += st["gen_tokens"]
+        out: list[Optional[Episode]] = [None] * (len(problems) * G)
+        got = await asyncio.gather(*(one(r, gs) for r, gs in plan.items()))
+        for (r, groups), (eps, _) in zip(plan.items(), got):
             for j, e in enumerate(eps):
                 g = groups[j // G]
                 e.group, e.replica = g, r
                 out[g * G + j % G] = e
         dt = time.perf_counter() - t0
-        return list(out), {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
+        tokens = sum(st["gen_tokens"] for _, st in got)
+        return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
 
     async def _rollouts(self) -> None:
         cfg, s = self.cfg, self.svc
@@ -401,78 +391,63 @@ class Controller:
                     episodes = [e for e in episodes if bool(keep[e.group])]
                 size = await call("replay_buffer", s.buffer.add, episodes)
             finally:
-                async with self.changed:
-                    self.rollout_busy = False
-                    self.changed.notify_all()
-            async with self.changed:
-                self.buffered = size
-                self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
-                self.changed.notify_all()
+                await self._set(rollout_busy=False)
+            self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
+            await self._set(buffered=size)
 
     # ---- weight sync -------------------------------------------------------------------------
-    async def _publish(self) -> Any:
-        """Publish the trainer's weights (starting the nccl broadcast when a route needs it)."""
-        rdma = any(t == "rdma" for t, _ in self.routes)
-        world = 1 + sum(t == "nccl" for t, _ in self.routes)
-        return await call("trainer", self.svc.trainer.publish, rdma, world if world > 1 else 0, self.generation,
-                          self.weight_dtype, timeout_s=self.cfg.fault.call_timeout_s)
-
     async def publish_and_sync(self) -> None:
         """Publish the trainer's current weights and bring every replica to them (under the sync lock)."""
         async with self.sync_lock:
             await self._sync_locked()
 
     async def _sync_locked(self) -> None:
-        """Publish, then network receivers fetch (while generating), then every replica loads between
-        two generate calls (routes: :func:`sync_routes`). A replica that dies or hangs meanwhile is
-        respawned and the whole version published and loaded again (a new nccl group)."""
-        gens = self.svc.generators
-        handle = await self._publish()
+        """Publish (starting the nccl broadcast when a route needs it), then network receivers fetch
+        (while generating), then every replica loads between two generate calls (routes:
+        :func:`sync_routes`). A replica that dies or hangs meanwhile is respawned and the whole
+        version published and loaded again (a new nccl group)."""
+        cfg, gens, routes = self.cfg, self.svc.generators, self.routes
+        nccl = sum(t == "nccl" for t, _ in routes)  # group members besides the trainer
+        handle = await call("trainer", self.svc.trainer.publish, any(t == "rdma" for t, _ in routes),
+                            nccl + 1 if nccl else 0, self.generation, self.weight_dtype,
+                            timeout_s=cfg.fault.call_timeout_s)
         t0 = time.perf_counter()
-        cfg = self.cfg
         timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
         # a load is a local copy, queued behind at most one generate call (a whole batch) of its replica
-        load_timeout = self._deadline(cfg.prompts_per_step * cfg.generator.group_size *
-                                      cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
+        load_timeout = self._deadline(self.B * cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
+        failed: dict[int, ActorFailed] = {}  # replica -> its failed call of this sync
+        staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
+        loaded: list = []
 
         async def guard(i: int, what: Any) -> Any:
             try:
                 return await what
             except ActorFailed as e:
-                return (i, e)
+                failed[i] = e
 
-        fetch = [i for i, (t, _) in enumerate(self.routes) if t in ("nccl", "rdma")]
+        async def load(i: int) -> dict:
+            t, j = routes[i]
+            args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
+            r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=load_timeout)
+            self.versions[i] = r["version"]
+            await self._set()
+            return r
+
+        fetch = [i for i, (t, _) in enumerate(routes) if t in ("nccl", "rdma")]
         got = await asyncio.gather(*(guard(i, call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle,
-                                                   *self.routes[i], timeout_s=timeout)) for i in fetch))
-        failed = [g for g in got if isinstance(g, tuple)]
-        loaded: list = []
-        staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
+                                                   *routes[i], timeout_s=timeout)) for i in fetch))
         if not failed:
-            for j in sorted({r for t, r in self.routes if t == "follow"}):
+            for j in sorted({r for t, r in routes if t == "follow"}):
                 staged[j] = await guard(j, call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version,
                                                 timeout_s=cfg.fault.call_timeout_s))
-            failed = [g for g in staged.values() if isinstance(g, tuple)]
         if not failed:
-            async def load(i: int) -> dict:
-                t, j = self.routes[i]
-                args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
-                r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=load_timeout)
-                async with self.changed:
-                    self.versions[i] = r["version"]
-                    self.changed.notify_all()
-                return r
-
-            async with self.changed:
-                self.loading = True
+            await self._set(loading=True)
             try:
                 loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
             finally:
-                async with self.changed:
-                    self.loading = False
-                    self.changed.notify_all()
-            failed = [g for g in loaded if isinstance(g, tuple)]
+                await self._set(loading=False)
         if failed:
-            for i, e in failed:
+            for i, e in sorted(failed.items()):
                 self._count_restart(gens[i].name, e)
                 ta = time.perf_counter()
                 await self.svc.respawn(gens[i].name)
@@ -509,8 +484,7 @@ class Controller:
         """
         cfg = self.cfg
         os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(cfg))
+        OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
         self.source = PromptSource(load_gsm8k(cfg.data.split, cfg.data.dir, cfg.data.hub_id), cfg.data.seed)
         t_start = time.perf_counter()
         try:
@@ -545,11 +519,10 @@ class Controller:
             raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
                             f"their hosts' CPUs differ; set generator.dtype explicitly")
         self.weight_dtype = dtypes.pop()
-        ckpt = self.latest_checkpoint() if self.cfg.resume else None
-        h0 = await call("trainer", s.trainer.publish, s.reference.slot.host != s.trainer.slot.host, 0, 0,
-                        await call("reference", s.reference.get_dtype))
-        ref_transport = "ipc" if s.reference.slot.host == s.trainer.slot.host else "rdma"
-        await call("reference", s.reference.load_initial, h0, ref_transport)
+        ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
+        remote = s.reference.slot.host != s.trainer.slot.host
+        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, await call("reference", s.reference.get_dtype))
+        await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc")
         self.ref_digest = await call("reference", s.reference.digest)
         if ckpt:
             await self.restore(ckpt)
@@ -563,11 +536,8 @@ class Controller:
         # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
         mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                           os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True,
+                   disable=not self.progress)
         rollouts = asyncio.create_task(self.rollout_loop())
         row: dict = {}
         try:
@@ -601,28 +571,25 @@ class Controller:
                        "grad_norm": tm["grad_norm"], "gen_tok_s": mean("gen_tok_s"), "gen_s": mean("gen_s"),
                        "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
                        "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": wait_s,
-                       "weight_sync_s": prev_sync.get("weight_sync_s", 0.0),
-                       "weight_transfer_s": prev_sync.get("weight_transfer_s", 0.0),
-                       "weight_sync_exposed_s": prev_sync.get("weight_sync_exposed_s", 0.0),
-                       "weight_sync_gb_s": prev_sync.get("weight_sync_gb_s", 0.0),
+                       **{k: prev_sync.get(k, 0.0) for k in ("weight_sync_s", "weight_transfer_s",
+                                                             "weight_sync_exposed_s", "weight_sync_gb_s")},
                        "generator_version": min(self.versions), "gen_replicas": mean("gen_replicas"),
                        "skipped_batches": self.skipped_batches, "checkpoint_failures": self.checkpoint_failures,
                        **{f"restarts_{k}": v for k, v in self.restarts.items()},
-                       "zero_variance_groups": sum(r.get("zero_variance_groups", 0) for r in ro),
-                       "dropped_groups": sum(r.get("dropped_groups", 0) for r in ro),
+                       **{k: sum(r.get(k, 0) for r in ro) for k in ("zero_variance_groups", "dropped_groups")},
                        "step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
                        "startup_s": startup_s}
                 mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
                 if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
-                    await self._quiesce()
-                    await self.save_checkpoint()
+                    await self.sync_task  # a quiet point: the sync done, rollouts paused and none in flight
                     async with self.changed:
-                        self.paused = False
-                        self.changed.notify_all()
-                if bar is not None:
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                                    loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s")
-                    bar.update(1)
+                        self.paused = True
+                        await self.changed.wait_for(lambda: not self.rollout_busy)
+                    await self.save_checkpoint()
+                    await self._set(paused=False)
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                                loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s")
+                bar.update(1)
             rollouts.cancel()
             if self.sync_task is not None:
                 await self.sync_task
@@ -637,8 +604,7 @@ class Controller:
             for t in (rollouts, self.sync_task):  # retrieve a failure already raised elsewhere
                 if t is not None and t.done() and not t.cancelled():
                     t.exception()
-            if bar is not None:
-                bar.close()
+            bar.close()
             mlog.close()
         return row
 
@@ -650,7 +616,7 @@ class Controller:
             RunFailed: ``fault.max_bad_steps`` skips in a row.
         """
         self.skipped_batches += 1
-        self.bad_in_a_row = getattr(self, "bad_in_a_row", 0) + 1
+        self.bad_in_a_row += 1
         checkpoint.warn(f"step {self.step + 1}: non-finite loss ({tm.get('loss')}) or gradient norm "
                         f"({tm.get('grad_norm')}); optimizer step skipped, batch dropped "
                         f"({self.bad_in_a_row} in a row, fault.max_bad_steps={self.cfg.fault.max_bad_steps})")
@@ -658,12 +624,3 @@ class Controller:
             raise RunFailed(f"training stopped: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient "
                             f"norm (fault.max_bad_steps={self.cfg.fault.max_bad_steps}); the last good step is "
                             f"{self.step}: lower trainer.lr, check the rewards, or resume from a checkpoint")
-
-    async def _quiesce(self) -> None:
-        """Wait until the weight sync is done and no rollout is in flight, and pause rollouts
-        (the caller unpauses after writing its checkpoint)."""
-        if self.sync_task is not None:
-            await self.sync_task
-        async with self.changed:
-            self.paused = True
-            await self.changed.wait_for(lambda: not self.rollout_busy)

@@ -21,11 +21,16 @@ generates). Actors get their own config section plus named fields, never the who
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import os
 import shutil
+import signal
+import socket
+import tempfile
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -59,8 +64,6 @@ async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[f
     """
     try:
         return await asyncio.wait_for(endpoint.call_one(*args), timeout=timeout_s)
-    except asyncio.CancelledError:
-        raise
     except asyncio.TimeoutError:
         raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
     except Exception as e:
@@ -69,21 +72,7 @@ async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[f
 
 async def call_all(actor_name: str, endpoint: "_Endpoint", *args: Any, timeout_s: Optional[float] = None) -> list:
     """Like :func:`call`, for every rank of a service: the answers in rank order."""
-    class _All:
-        def call_one(self, *a):
-            return endpoint.call_all(*a)
-
-    return await call(actor_name, _All(), *args, timeout_s=timeout_s)
-
-
-def host_mesh(hosts: Any, index: int) -> Any:
-    """The Monarch host (mesh) of node ``index``: this host when ``hosts`` is None (one node),
-    else the ``hosts`` dimension of a multi-host ``HostMesh`` sliced at ``index``."""
-    if hosts is None:
-        from monarch.actor import this_host
-
-        return this_host()
-    return hosts.slice(hosts=index)
+    return await call(actor_name, SimpleNamespace(call_one=endpoint.call_all), *args, timeout_s=timeout_s)
 
 
 class _Endpoint:
@@ -94,15 +83,12 @@ class _Endpoint:
         self.ep, self.ranks = ep, ranks
 
     async def call_one(self, *args: Any) -> Any:
-        if self.ranks == 1:
-            return await self.ep.call_one(*args)
         return (await self.call_all(*args))[0]
 
     async def call_all(self, *args: Any) -> list:
         if self.ranks == 1:
             return [await self.ep.call_one(*args)]
-        vm = await self.ep.call(*args)
-        return [v for _, v in sorted(((p.rank, v) for p, v in vm.items()), key=lambda x: x[0])]
+        return [v for _, v in sorted((await self.ep.call(*args)).items(), key=lambda pv: pv[0].rank)]
 
 
 @dataclass
@@ -122,34 +108,21 @@ class Service:
             raise AttributeError(endpoint)
         return _Endpoint(getattr(self.actor, endpoint), self.slot.ranks)
 
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the service's ranks."""
-        return [w["pid"] for w in self.where]
-
     async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
         """Stop the service's processes within ``timeout_s`` seconds; errors are ignored (an actor
         still busy with a cancelled call misses its deadline). With ``kill`` (a failed service being
         replaced), its processes on this host get SIGKILL first: a hung (e.g. stopped) process would
         only let the stop run into its timeout. Shared-memory weight buffers the processes of this
         host left in /dev/shm are removed (a process killed or stopped never removes its own)."""
-        import socket
-
         from forge_core.weight_sync import remove_shm_buffers
 
         local = [w["pid"] for w in self.where if w["hostname"] == socket.gethostname()]
         if kill:
-            import signal
-
             for pid in local:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        try:
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(self.procs.stop(), timeout=timeout_s)
-        except Exception:
-            pass
         for pid in local:
             remove_shm_buffers(pid)
 
@@ -192,13 +165,10 @@ class Services:
         if not self.stopping:
             self.faults.append(str(failure.report())[:2000])
 
-    def where(self) -> dict:
-        """``{service: {"hostname", "ips", "pid", ...}}`` of rank 0 of each service (for actors.json)."""
-        return {s.name: s.where[0] for s in self.all()}
-
     def write_placement(self, path: str) -> dict:
-        """Write :meth:`where` to ``path`` (JSON) and return it."""
-        where = self.where()
+        """Write ``{service: {"hostname", "ips", "pid", ...}}`` of rank 0 of each service to ``path``
+        (JSON: actors.json) and return it."""
+        where = {s.name: s.where[0] for s in self.all()}
         with open(path, "w") as f:
             json.dump(where, f, indent=1)
         return where
@@ -242,41 +212,34 @@ def _section(cfg: DictConfig, key: str) -> dict:
 def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int = 0, addr: str = "127.0.0.1",
                  name: str = "") -> dict:
     """The constructor arguments of ``role``'s actor: its own config section plus named fields."""
-    gpu = cfg.device == "cuda"
-    seq_len = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
-    base = {"seed": cfg.seed, "threads": max(cfg.threads_per_actor, 4) if gpu else cfg.threads_per_actor}
-    if not gpu and role in ("generator", "trainer", "reference"):
-        base["cores_dir"] = cores_dir()
-    place = {"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {}
-    if role == "generator":
-        kw = dict(base, generator=_section(cfg, "generator"), model=_section(cfg, "model"),
-                  system_prompt=cfg.data.system_prompt, replica=name)
-        if gpu:
-            kw.update(place, colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
-                      bucket_mb=cfg.weight_sync.bucket_mb)
-        return kw
-    if role == "trainer":
-        return dict(base, **place, trainer=_section(cfg, "trainer"), model=_section(cfg, "model"),
-                    loss=_section(cfg, "loss"), device=cfg.device, publish_dtype=cfg.generator.dtype,
-                    temperature=cfg.generator.temperature, max_response_tokens=cfg.generator.max_response_tokens,
-                    seq_len=seq_len, port=port, addr=addr, weight_sync=_section(cfg, "weight_sync"),
-                    shared_gb=_shared_gb(cfg, plan))
-    if role == "reference":
-        t = cfg.trainer
-        return dict(base, **place, model=_section(cfg, "model"), device=cfg.device, dtype=cfg.generator.dtype,
-                    temperature=cfg.generator.temperature, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
-                    seq_len=seq_len, port=port, tokens_per_micro_batch=t.tokens_per_micro_batch,
-                    logprob_chunk=t.logprob_chunk, compile=t.compile)
     if role == "reward":
         return {"reward_cfg": _section(cfg, "reward")}
-    return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness}
+    if role == "replay_buffer":
+        return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness}
+    gpu = cfg.device == "cuda"
+    kw = dict(seed=cfg.seed, threads=max(cfg.threads_per_actor, 4) if gpu else cfg.threads_per_actor,
+              model=_section(cfg, "model"),
+              **({"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {"cores_dir": cores_dir()}))
+    if role == "generator":
+        kw.update(generator=_section(cfg, "generator"), system_prompt=cfg.data.system_prompt, replica=name)
+        if gpu:
+            kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
+                      bucket_mb=cfg.weight_sync.bucket_mb)
+        return kw
+    kw.update(device=cfg.device, temperature=cfg.generator.temperature, port=port,
+              seq_len=cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens)
+    if role == "trainer":
+        return dict(kw, trainer=_section(cfg, "trainer"), loss=_section(cfg, "loss"), publish_dtype=cfg.generator.dtype,
+                    max_response_tokens=cfg.generator.max_response_tokens, addr=addr,
+                    weight_sync=_section(cfg, "weight_sync"), shared_gb=_shared_gb(cfg, plan))
+    t = cfg.trainer  # the reference
+    return dict(kw, dtype=cfg.generator.dtype, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
+                tokens_per_micro_batch=t.tokens_per_micro_batch, logprob_chunk=t.logprob_chunk, compile=t.compile)
 
 
 def cores_dir() -> str:
     """Where this run's CPU actors share each host's cores (:class:`forge_core.actors.CoreShare`):
     a directory named after the controller's process, in /dev/shm (or the temp dir)."""
-    import tempfile
-
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"forge-cores-{os.getpid()}")
 
@@ -286,13 +249,13 @@ def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
     weights' share), and a colocated engine asleep (about 2 GB it keeps)."""
     if cfg.device != "cuda":
         return 0.0
-    from forge_core import titan
-
-    gb = 0.0
+    gb = 2.0 if plan.colocated else 0.0
     if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus):
+        from forge_core import titan
+
         n = sum(k for *_, k in titan.hf_layout(titan.titan_model_args(cfg.model.name)))
         gb += 2 * n / plan.reference.ranks / 1e9
-    return gb + (2.0 if plan.colocated else 0.0)
+    return gb
 
 
 async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, hosts: Any = None,
@@ -303,10 +266,13 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     Raises:
         ActorFailed: the actor's constructor failed (the message names it).
     """
+    from monarch.actor import this_host
+
     from forge_core.actors.placement import Placement
 
     name = name or role
-    procs = host_mesh(hosts, slot.host).spawn_procs(per_host={"procs": slot.ranks})
+    host = this_host() if hosts is None else hosts.slice(hosts=slot.host)  # one node, or node slot.host of hosts
+    procs = host.spawn_procs(per_host={"procs": slot.ranks})
     placement = procs.spawn(f"placement_{name}", Placement)
     where = await _Endpoint(placement.where, slot.ranks).call_all()
     addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
@@ -315,7 +281,7 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     svc = Service(name, slot, procs, actor, where)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
         try:
-            await call(name, _Endpoint(actor.get_version, slot.ranks))
+            await call(name, svc.get_version)
         except BaseException:
             await svc.stop(10)
             raise
@@ -346,16 +312,13 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
             for s in started:
                 await s.stop(10)
             raise errors[0]
-        return list(got)
+        return got
 
     n = len(plan.generators)
-    gens = [("generator", s, "generator" if n == 1 else f"generator_{i}") for i, s in enumerate(plan.generators)]
-    rest = [("trainer", plan.trainer, ""), ("reference", plan.reference, ""), ("reward", Slot(0), ""),
+    jobs = [*(("generator", s, "generator" if n == 1 else f"generator_{i}") for i, s in enumerate(plan.generators)),
+            ("trainer", plan.trainer, ""), ("reference", plan.reference, ""), ("reward", Slot(0), ""),
             ("replay_buffer", Slot(0), "")]
-    if plan.colocated:  # the engine first, then the rest
-        got = await spawn(gens[0]) + await spawn(*gens[1:], *rest)
-    else:
-        got = await spawn(*gens, *rest)
+    got = await spawn(jobs[0]) + await spawn(*jobs[1:]) if plan.colocated else await spawn(*jobs)  # the engine first
     trainer, reference, reward, buf = got[n:]
     svc = Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
                    hosts=hosts)
