@@ -102,11 +102,12 @@ class Service:
     actor: Any
     where: list = field(default_factory=list)  # per rank: {"hostname", "ips", "pid", "free_port", "rdma"}
     receiver: Any = None  # generator replicas: the WeightReceiver of the same process
+    ranks: int = 1  # processes (a vLLM replica: one, whatever its TP; its engine starts the TP workers)
 
     def __getattr__(self, endpoint: str) -> _Endpoint:
         if endpoint.startswith("_"):
             raise AttributeError(endpoint)
-        return _Endpoint(getattr(self.actor, endpoint), self.slot.ranks)
+        return _Endpoint(getattr(self.actor, endpoint), self.ranks)
 
     async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
         """Stop the service's processes within ``timeout_s`` seconds; errors are ignored (an actor
@@ -260,8 +261,9 @@ def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
 
 async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, hosts: Any = None,
                         name: str = "") -> Service:
-    """Spawn ``role`` on ``slot`` (one process per rank) with a Placement actor beside each rank;
-    a generator replica also gets its WeightReceiver. Waits until the actor is constructed.
+    """Spawn ``role`` on ``slot`` (one process per GPU; a generator replica is one process whatever
+    its GPUs, as vLLM starts its own TP workers) with a Placement actor beside each process; a
+    generator replica also gets its WeightReceiver. Waits until the actor is constructed.
 
     Raises:
         ActorFailed: the actor's constructor failed (the message names it).
@@ -272,13 +274,14 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
 
     name = name or role
     host = this_host() if hosts is None else hosts.slice(hosts=slot.host)  # one node, or node slot.host of hosts
-    procs = host.spawn_procs(per_host={"procs": slot.ranks})
+    ranks = 1 if role == "generator" else slot.ranks
+    procs = host.spawn_procs(per_host={"procs": ranks})
     placement = procs.spawn(f"placement_{name}", Placement)
-    where = await _Endpoint(placement.where, slot.ranks).call_all()
+    where = await _Endpoint(placement.where, ranks).call_all()
     addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
     actor = procs.spawn(name, actor_class(role, cfg.device),
                         **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name))
-    svc = Service(name, slot, procs, actor, where)
+    svc = Service(name, slot, procs, actor, where, ranks=ranks)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
         try:
             await call(name, svc.get_version)

@@ -22,10 +22,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import tempfile
 import time
+from functools import partial
 from typing import Optional
 
 from monarch.actor import Actor, endpoint
@@ -114,7 +116,13 @@ def expected_shard(name: str, full, hf: dict, tp: int, rank: int, vocab_per_rank
     return full
 
 
-def _load(model, handle, bucket_bytes):  # runs in every vLLM worker (picklable: module level)
+def _local(handle: WeightHandle) -> WeightHandle:
+    """``handle`` without its network parts (RDMA buffer, broadcast group): what a vLLM worker
+    needs to open the same-host buffer, and all that is pickled to TP > 1 workers."""
+    return dataclasses.replace(handle, rdma=None, group=None)
+
+
+def _load(model, handle, bucket_bytes):  # runs in every vLLM worker (TP > 1: pickled, so module level)
     from forge_core.weight_sync import load_into_model
 
     return load_into_model(model, handle, bucket_bytes)
@@ -295,7 +303,7 @@ class VllmGenerator(Actor):
         async with self.lock:
             wake_s = self._wake(["weights"])
             t0 = time.perf_counter()
-            r = self.llm.apply_model(lambda m, h=handle, b=self.bucket_bytes: _load(m, h, b))[0]
+            r = self.llm.apply_model(partial(_load, handle=_local(handle), bucket_bytes=self.bucket_bytes))[0]
             self.llm.reset_prefix_cache()
             dt = time.perf_counter() - t0
             self.version = handle.version
@@ -335,7 +343,7 @@ class VllmGenerator(Actor):
             return ""
         async with self.lock:
             self._wake(["weights"])
-            return self.llm.apply_model(lambda m, l=self.layout, h=self.hf: _digest(m, l, h))[0]
+            return self.llm.apply_model(partial(_digest, layout=self.layout, hf=self.hf))[0]
 
     @endpoint
     async def weights_match(self) -> list:
@@ -344,7 +352,7 @@ class VllmGenerator(Actor):
         exactly its share of the trainer's weights. Works for any TP degree."""
         async with self.lock:
             self._wake(["weights"])
-            per_rank = self.llm.apply_model(lambda m, h=self.handle, f=self.hf, t=self.tp: _mismatches(m, h, f, t))
+            per_rank = self.llm.apply_model(partial(_mismatches, handle=_local(self.handle), hf=self.hf, tp=self.tp))
         return sorted({n for names in per_rank for n in names})
 
     @endpoint
@@ -352,4 +360,4 @@ class VllmGenerator(Actor):
         """The loaded weights as ``{hf_name: tensor}`` on the CPU (TP=1; for tests on small models)."""
         async with self.lock:
             self._wake(["weights"])
-            return self.llm.apply_model(lambda m, l=self.layout, h=self.hf: _state_dict(m, l, h))[0]
+            return self.llm.apply_model(partial(_state_dict, layout=self.layout, hf=self.hf))[0]
