@@ -18,7 +18,8 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
                                                        log one JSONL line, checkpoint every N steps
 
 S = ``max_staleness``. With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops
-alternate (fully on-policy). A checkpoint is taken at a quiet point (no rollout in flight, sync
+alternate (fully on-policy). Batch k's reward, reference and advantages run while batch k+1
+generates (when its replicas are eligible), so the reference's forward is off the rollout path. A checkpoint is taken at a quiet point (no rollout in flight, sync
 done), so a resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
 placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
 checkpoint files :mod:`forge_core.checkpoint`.
@@ -176,7 +177,7 @@ class Controller:
         self.last_rollouts: list[dict] = []
         self.changed = asyncio.Condition()
         self.buffered = 0
-        self.rollout_busy = False
+        self.rollouts_in_flight = 0  # batches generating or being finished (reward, reference, buffer)
         self.paused = False  # set while a checkpoint is written
         self.loading = False  # set while the replicas load a new version (rollouts wait: see _rollouts)
         self.sync_task: Optional[asyncio.Task] = None
@@ -357,43 +358,67 @@ class Controller:
         return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
 
     async def _rollouts(self) -> None:
+        """Generate batch k, then finish it (reward, reference, advantages, buffer) in a task while
+        batch k+1 generates: the reference's forward is hidden behind the next generation. One batch
+        is finished at a time, in order, so the buffer sees the same batches in the same order."""
+        cfg = self.cfg
+        finishing: Optional[asyncio.Task] = None
+        try:
+            while True:
+                async with self.changed:
+                    await self.changed.wait_for(
+                        lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
+                        and not self.loading)  # else the first replica to load the new version takes every group
+                    self.rollouts_in_flight += 1
+                    problems = self.source.next_batch(cfg.prompts_per_step)
+                    k = self.batches_made
+                    self.batches_made += 1
+                    replicas = self._eligible(k)
+                try:
+                    episodes, gen = await self._generate(problems, k, replicas)
+                    if finishing is not None:
+                        await finishing
+                except BaseException:
+                    await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
+                    raise
+                finishing = asyncio.create_task(self._finish(episodes, gen))
+        finally:
+            if finishing is not None and not finishing.done():
+                finishing.cancel()
+
+    async def _finish(self, episodes: list[Episode], gen: dict) -> None:
+        """Reward, reference logprobs and group advantages of one generated batch, then into the
+        replay buffer. A failure becomes ``rollout_error`` (the training loop raises it)."""
         cfg, s = self.cfg, self.svc
-        while True:
-            async with self.changed:
-                await self.changed.wait_for(
-                    lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
-                    and not self.loading)  # else the first replica to load the new version takes every group
-                self.rollout_busy = True
-                problems = self.source.next_batch(cfg.prompts_per_step)
-                k = self.batches_made
-                self.batches_made += 1
-                replicas = self._eligible(k)
-            try:
-                episodes, gen = await self._generate(problems, k, replicas)
-                t0 = time.perf_counter()
-                episodes = await self._supervised("reward", "score", episodes)
-                reward_s = time.perf_counter() - t0
-                ref_s = 0.0
-                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-                for lists, secs in await self._supervised("reference", "logprobs", episodes, tokens=tokens,
-                                                          all_ranks=True):
-                    ref_s = max(ref_s, secs)
-                    for e, lp in zip(episodes, lists):
-                        if lp is not None:
-                            e.ref_logprobs = lp
-                rewards = torch.tensor([e.reward for e in episodes]).view(-1, cfg.generator.group_size)
-                finite = torch.isfinite(rewards).all(1, keepdim=True)
-                adv, keep, adv_m = compute_advantages(rewards.where(finite, 0.0), cfg.advantage)
-                adv = adv.where(finite, float("nan"))  # a non-finite reward poisons its group: the step is skipped
-                for e, a in zip(episodes, adv.flatten().tolist()):
-                    e.advantage = a
-                if cfg.advantage.drop_zero_variance:
-                    episodes = [e for e in episodes if bool(keep[e.group])]
-                size = await call("replay_buffer", s.buffer.add, episodes)
-            finally:
-                await self._set(rollout_busy=False)
-            self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
-            await self._set(buffered=size)
+        try:
+            t0 = time.perf_counter()
+            episodes = await self._supervised("reward", "score", episodes)
+            reward_s = time.perf_counter() - t0
+            ref_s = 0.0
+            tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+            for lists, secs in await self._supervised("reference", "logprobs", episodes, tokens=tokens,
+                                                      all_ranks=True):
+                ref_s = max(ref_s, secs)
+                for e, lp in zip(episodes, lists):
+                    if lp is not None:
+                        e.ref_logprobs = lp
+            rewards = torch.tensor([e.reward for e in episodes]).view(-1, cfg.generator.group_size)
+            finite = torch.isfinite(rewards).all(1, keepdim=True)
+            adv, keep, adv_m = compute_advantages(rewards.where(finite, 0.0), cfg.advantage)
+            adv = adv.where(finite, float("nan"))  # a non-finite reward poisons its group: the step is skipped
+            for e, a in zip(episodes, adv.flatten().tolist()):
+                e.advantage = a
+            if cfg.advantage.drop_zero_variance:
+                episodes = [e for e in episodes if bool(keep[e.group])]
+            size = await call("replay_buffer", s.buffer.add, episodes)
+        except Exception as e:
+            await self._set(rollouts_in_flight=self.rollouts_in_flight - 1, rollout_error=e)
+            raise
+        except BaseException:
+            await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
+            raise
+        self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
+        await self._set(buffered=size, rollouts_in_flight=self.rollouts_in_flight - 1)
 
     # ---- weight sync -------------------------------------------------------------------------
     async def publish_and_sync(self) -> None:
@@ -584,7 +609,7 @@ class Controller:
                     await self.sync_task  # a quiet point: the sync done, rollouts paused and none in flight
                     async with self.changed:
                         self.paused = True
-                        await self.changed.wait_for(lambda: not self.rollout_busy)
+                        await self.changed.wait_for(lambda: not self.rollouts_in_flight)
                     await self.save_checkpoint()
                     await self._set(paused=False)
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",

@@ -284,6 +284,70 @@ def test_replicas_dispatch_through_controller(tmp_path):
     asyncio.run(go())
 
 
+def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
+    """The rollout loop with timed stand-ins for the actors (S=1, one replica at version 0): batch
+    0's reference forward runs while batch 1 generates, batches reach the buffer in order, and a
+    failure of the finishing step reaches the training loop as ``rollout_error``."""
+    from forge_core.controller import Controller
+    from forge_core.episode import Episode
+
+    cfg = load_config("smollm2_135m", TINY + ["max_staleness=1"])
+    G = cfg.generator.group_size
+    spans: dict = {}
+
+    class Timed(Controller):
+        fail_reference = False
+
+        async def _generate(self, problems, k, replicas):
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.4)
+            spans[("gen", k)] = (t0, time.perf_counter())
+            eps = [Episode(prompt_id=str(k), group=j // G, target="", prompt_ids=[1], response_ids=[2, 3],
+                           behaviour_logprobs=[-1.0, -1.0], text="", policy_version=0, reward=float(j % 2)) for j in range(len(problems) * G)]
+            return eps, {"gen_s": 0.4, "gen_tokens": 2 * len(eps), "gen_tok_s": 1.0, "gen_replicas": 1}
+
+        async def _supervised(self, name, endpoint, episodes, **kw):
+            if name == "reward":
+                return episodes
+            if self.fail_reference:
+                raise RuntimeError("reference stand-in failed")
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.3)
+            spans[("ref", int(episodes[0].prompt_id))] = (t0, time.perf_counter())
+            return [([[0.0, 0.0]] * len(episodes), 0.3)]
+
+    added: list = []
+
+    async def add(eps):
+        added.append(eps[0].prompt_id)
+        return len(added) * len(eps)
+
+    async def go(c):
+        c.source = SimpleNamespace(next_batch=lambda n: [None] * n)
+        c.svc = SimpleNamespace(buffer=SimpleNamespace(add=SimpleNamespace(call_one=add)))
+        c.versions = [0]
+        task = asyncio.create_task(c.rollout_loop())
+        try:
+            async with c.changed:
+                await asyncio.wait_for(c.changed.wait_for(lambda: c.buffered >= 2 * c.B or c.rollout_error), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    c = Timed(cfg, str(tmp_path), progress=False)
+    asyncio.run(go(c))
+    (g1a, g1b), (r0a, r0b) = spans[("gen", 1)], spans[("ref", 0)]
+    assert g1a < r0b and r0a < g1b, spans  # the two intervals overlap
+    assert spans[("gen", 1)][0] < spans[("gen", 0)][1] + 0.2  # batch 1 did not wait for batch 0's reference
+    assert added == ["0", "1"] and c.batches_made == 2 and c.rollouts_in_flight == 0  # batch 2 needs version 1
+    assert [round(r["ref_s"], 1) for r in c.rollout_stats] == [0.3, 0.3]
+
+    c = Timed(cfg, str(tmp_path), progress=False)
+    c.fail_reference = True
+    asyncio.run(go(c))
+    assert isinstance(c.rollout_error, RuntimeError) and "reference stand-in failed" in str(c.rollout_error)
+
+
 def _run(args: list, run_id: str, out, timeout: int = 600, env_extra: dict | None = None) -> tuple[int, str]:
     env = dict(os.environ, FORGE_RUN_ID=run_id, WANDB_MODE="disabled", **(env_extra or {}))
     cmd = [sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={out}", *args]
@@ -479,3 +543,49 @@ def test_hung_leader_staged_copy_respawns_it_and_the_followers_still_load(tmp_pa
     assert [f["service"] for f in faults] == ["generator_0"]
     assert "receiver_generator_0" in faults[0]["error"] and "did not answer" in faults[0]["error"]
     assert ctl.versions == [1, 1]
+
+
+def test_vllm_worker_calls_pickle():
+    """With TP > 1, vLLM pickles what ``apply_model`` runs to its worker processes: every call the
+    vLLM generator makes there (load, compare, digest, state dict) must survive a pickle round trip
+    with a real same-host handle, its network parts (an RDMA buffer) left behind."""
+    import pickle
+    from functools import partial
+
+    from forge_core.actors import vllm_generator as vg
+    from forge_core.weight_sync import StagingBuffer
+
+    buf = StagingBuffer([("w", (2, 3), 6)], torch.float32, torch.device("cpu"))
+    try:
+        h = dataclasses.replace(buf.handle(3), rdma=object())  # an unpicklable stand-in for RDMABuffer
+        for fn in (partial(vg._load, handle=vg._local(h), bucket_bytes=1 << 20),
+                   partial(vg._mismatches, handle=vg._local(h), hf={}, tp=2),
+                   partial(vg._digest, layout=h.layout, hf={}), partial(vg._state_dict, layout=h.layout, hf={})):
+            back = pickle.loads(pickle.dumps(fn))
+            assert back.func is fn.func and back.keywords.keys() == fn.keywords.keys()
+        assert pickle.loads(pickle.dumps(vg._local(h))).ipc == h.ipc
+        with pytest.raises(Exception):
+            pickle.dumps(lambda m: vg._load(m, h, 1))  # what the generator passed before: not picklable
+    finally:
+        buf.close()
+
+
+def test_a_tp_replica_is_one_process():
+    """A generator replica on several GPUs (TP > 1) is ONE process: vLLM starts its own TP workers.
+    (One process per GPU, as for the trainer, would start one whole TP engine per GPU, all on the
+    same GPUs: the first TP=2 run on 2 x H200 ran 4,441 tok/s that way.) Checked on CPU with a
+    2-GPU slot, which the CPU generator ignores."""
+    from forge_core.layout import plan_layout, Slot
+    from forge_core.services import call, spawn_service
+
+    cfg = load_config("smollm2_135m", TINY + ["generator.dtype=float32"])
+
+    async def go():
+        svc = await spawn_service(cfg, "generator", Slot(0, [0, 1]), plan_layout(cfg), name="generator_tp2")
+        try:
+            assert svc.ranks == 1 and len(svc.where) == 1, svc.where
+            assert await call(svc.name, svc.get_version) == 0
+        finally:
+            await svc.stop(30)
+
+    asyncio.run(go())
