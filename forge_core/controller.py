@@ -19,8 +19,9 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
 
 S = ``max_staleness``. With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops
 alternate (fully on-policy). Batch k's reward, reference and advantages run while batch k+1
-generates (when its replicas are eligible), so the reference's forward is off the rollout path. A checkpoint is taken at a quiet point (no rollout in flight, sync
-done), so a resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
+generates (when its replicas are eligible), so the reference's forward is off the rollout path. A
+checkpoint is taken at a quiet point (no batch generating or being finished, sync done), so a
+resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
 placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
 checkpoint files :mod:`forge_core.checkpoint`.
 
