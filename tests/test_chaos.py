@@ -247,8 +247,9 @@ def test_kill_services_at_random_points(tmp_path, run_no):
         sig[hang_at] = signal.SIGSTOP
     plan = _plan(rng, services, first=2, gap=2)
     # every service is called again after the last fault, even when each recovery lets the run move
-    # on by up to two steps before the next fault goes in
-    steps = plan[-1][0] + 4 + 2 * len(plan)
+    # on by up to four steps before the next fault goes in (a tiny step takes well under a second,
+    # and the next batch may already be generated while the previous is being scored)
+    steps = plan[-1][0] + 4 + 4 * len(plan)
     run = Run(tmp_path, f"kill{run_no}", [f"steps={steps}", "fault.max_restarts=10", *FAST_FAULTS])
     try:
         injected = _inject(run, plan, sig)

@@ -163,9 +163,13 @@ def test_dead_actor_is_named_and_outputs_survive(tmp_path):
     # (respawns are tests/test_chaos.py's)
     p = _run(["steps=200", "checkpoint.every=1", "fault.max_restarts=0"], "dead", tmp_path, start_new_session=True)
     run = tmp_path / "dead"
-    deadline = time.time() + 300
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_rows(run / "metrics.jsonl")) >= 1):
-        time.sleep(1)
+    deadline = time.time() + 300  # until a complete checkpoint exists: the death must not touch it
+
+    def complete() -> list:
+        return [c for c in (run / "checkpoints").iterdir() if not c.name.endswith(".tmp")] if (run / "checkpoints").is_dir() else []
+
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and complete()):
+        time.sleep(0.5)
     children = psutil.Process(p.pid).children(recursive=True)
     pid = json.loads((run / "actors.json").read_text())["generator"]["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -177,7 +181,7 @@ def test_dead_actor_is_named_and_outputs_survive(tmp_path):
     assert not alive, f"orphan actor processes: {[c.pid for c in alive]}"
     rows = _rows(run / "metrics.jsonl")
     assert rows and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-    assert any((run / "checkpoints").iterdir())
+    assert complete() and all((c / "controller.json").is_file() for c in complete())
 
 
 @pytest.mark.parametrize("loss", ["gspo", "dapo", "reinforce"])
