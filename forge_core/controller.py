@@ -412,14 +412,13 @@ class Controller:
             if cfg.advantage.drop_zero_variance:
                 episodes = [e for e in episodes if bool(keep[e.group])]
             size = await call("replay_buffer", s.buffer.add, episodes)
+            self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
+            await self._set(buffered=size)
         except Exception as e:
-            await self._set(rollouts_in_flight=self.rollouts_in_flight - 1, rollout_error=e)
+            await self._set(rollout_error=e)
             raise
-        except BaseException:
+        finally:
             await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
-            raise
-        self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
-        await self._set(buffered=size, rollouts_in_flight=self.rollouts_in_flight - 1)
 
     # ---- weight sync -------------------------------------------------------------------------
     async def publish_and_sync(self) -> None:

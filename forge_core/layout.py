@@ -35,7 +35,8 @@ class Slot:
 
     @property
     def ranks(self) -> int:
-        """Processes of this service: one per GPU, one on CPU."""
+        """GPUs of this service (one on CPU): its processes, except a vLLM generator replica, which is
+        one process that starts its own TP workers (:func:`forge_core.services.spawn_service`)."""
         return max(len(self.gpus), 1)
 
 

@@ -102,7 +102,11 @@ class Service:
     actor: Any
     where: list = field(default_factory=list)  # per rank: {"hostname", "ips", "pid", "free_port", "rdma"}
     receiver: Any = None  # generator replicas: the WeightReceiver of the same process
-    ranks: int = 1  # processes (a vLLM replica: one, whatever its TP; its engine starts the TP workers)
+
+    @property
+    def ranks(self) -> int:
+        """Processes of the service (one per entry of ``where``; a vLLM replica has one whatever its TP)."""
+        return len(self.where) or 1
 
     def __getattr__(self, endpoint: str) -> _Endpoint:
         if endpoint.startswith("_"):
@@ -281,7 +285,7 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
     actor = procs.spawn(name, actor_class(role, cfg.device),
                         **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name))
-    svc = Service(name, slot, procs, actor, where, ranks=ranks)
+    svc = Service(name, slot, procs, actor, where)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
         try:
             await call(name, svc.get_version)

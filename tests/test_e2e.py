@@ -165,8 +165,9 @@ def test_dead_actor_is_named_and_outputs_survive(tmp_path):
     run = tmp_path / "dead"
     deadline = time.time() + 300  # until a complete checkpoint exists: the death must not touch it
 
-    def complete() -> list:
-        return [c for c in (run / "checkpoints").iterdir() if not c.name.endswith(".tmp")] if (run / "checkpoints").is_dir() else []
+    def complete() -> list:  # checkpoint directories whose save finished
+        ckpts = run / "checkpoints"
+        return [c for c in ckpts.iterdir() if not c.name.endswith(".tmp")] if ckpts.is_dir() else []
 
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and complete()):
         time.sleep(0.5)

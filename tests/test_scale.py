@@ -303,7 +303,8 @@ def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
             await asyncio.sleep(0.4)
             spans[("gen", k)] = (t0, time.perf_counter())
             eps = [Episode(prompt_id=str(k), group=j // G, target="", prompt_ids=[1], response_ids=[2, 3],
-                           behaviour_logprobs=[-1.0, -1.0], text="", policy_version=0, reward=float(j % 2)) for j in range(len(problems) * G)]
+                           behaviour_logprobs=[-1.0, -1.0], text="", policy_version=0, reward=float(j % 2))
+                   for j in range(len(problems) * G)]
             return eps, {"gen_s": 0.4, "gen_tokens": 2 * len(eps), "gen_tok_s": 1.0, "gen_replicas": 1}
 
         async def _supervised(self, name, endpoint, episodes, **kw):
