@@ -1,6 +1,6 @@
 """GPU benchmark (``make bench``): one table, every row naming the device it ran on.
 
-    python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus N] [--sections gen,scale,layouts,train,sync]
+    python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus N] [--sections gen,scale,layouts,train,ref,sync]
                                    [--layouts 1x2,2x1] [--out bench.json] [overrides ...]
 
 Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
@@ -18,6 +18,8 @@ Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
   configured; with and without activation checkpointing), MFU, peak memory, against the anchor
   (:mod:`benchmarks.anchor`: a plain compiled TorchTitan step on the same number of tokens, same
   GPUs): ``anchor_ratio`` = ours / anchor. bf16 packed vs unpacked logprobs agree on the real shape.
+- ``ref``: the reference's forward on the same episodes, on a GPU of its own and sharded over the
+  trainer's GPUs (where the reference should live).
 - ``sync``: weight sync in the node (publish: gather + cast + copy; load: in-place ``load_weights``
   + prefix-cache reset), seconds and GB/s, bit for bit (every TP rank's shard).
 The full GRPO step is measured by a real run (``launch.local``, metrics.jsonl): see benchmarks/gpu.sh.
@@ -281,6 +283,46 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, anchor_rows: i
         torch.cuda.empty_cache()
 
 
+async def section_ref(cfg, eps_from_gen: list, train_gpus: int) -> None:
+    """Where the reference lives: its forward (logprobs of the train section's 128 episodes, the
+    best of 2 after a warm-up that compiles) on a GPU of its own and sharded (FSDP2) over the
+    trainer's GPUs, caller-timed seconds and tok/s. The layout choice weighs the sharded time,
+    which the trainer's GPUs spend on top of their training step, against a GPU taken from the
+    generator replicas or the trainer."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from forge_core.layout import Plan, Slot, plan_layout
+    from forge_core.services import call_all, spawn_service
+
+    eps = synthetic_episodes(cfg, eps_from_gen)
+    tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
+    tgpus = list(range(train_gpus)) if train_gpus else plan_layout(cfg).trainer.gpus
+    n = max(torch.cuda.device_count(), max(tgpus) + 1)
+    c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": n}})
+    for gpus in ([tgpus[0]], tgpus) if len(tgpus) > 1 else ([tgpus[0]],):
+        slot = Slot(0, gpus)
+        plan = Plan([Slot(0, [n])], Slot(0, gpus), slot, False, n)
+        r = await spawn_service(c, "reference", slot, plan)
+        try:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                await call_all("reference", r.logprobs, eps)
+                times.append(time.perf_counter() - t0)
+            best = min(times[1:])
+            where = "on a GPU of its own" if len(gpus) == 1 else f"sharded over the trainer's {len(gpus)} GPUs"
+            row(f"reference forward {where} ({len(eps)} episodes, {tokens} tokens; packing "
+                f"{c.trainer.tokens_per_micro_batch or 'off'}, compile {c.trainer.compile})",
+                f"{best:.2f} s/step  {tokens / best:,.0f} tok/s (first call {times[0]:.0f} s)", "",
+                ref_gpus=len(gpus), ref_s=best, ref_tok_s=tokens / best, first_call_s=times[0])
+        except Exception as e:
+            row(f"reference on {len(gpus)} GPU(s)", f"failed: {str(e)[:300]}", ref_gpus=len(gpus))
+        finally:
+            await r.stop(60)
+        torch.cuda.empty_cache()
+
+
 def packed_vs_padded(cfg, eps: list) -> dict:
     """Response logprobs of ``eps`` under the same bf16 random weights, packed vs padded, in this
     process (GPU 0): ``{"mean", "max"}`` absolute differences over response tokens."""
@@ -355,6 +397,8 @@ async def bench(a) -> None:
         await section_scale(cfg, prompts_of(cfg, 16 * a.gpus), a.gpus, layouts, "scale" in secs)
     if "train" in secs:
         await section_train(cfg, eps, a.train_gpus, a.anchor_rows, tuple(x == "1" for x in a.train_ac.split(",")))
+    if "ref" in secs:
+        await section_ref(cfg, eps, a.train_gpus)
     if "sync" in secs:
         await section_sync(cfg)
 
