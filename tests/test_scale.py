@@ -590,3 +590,41 @@ def test_a_tp_replica_is_one_process():
             await svc.stop(30)
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("cls", ["trainer.Trainer", "reference.Reference"])
+def test_gpu_actors_pick_their_gpu_before_importing_torchtitan_models(monkeypatch, cls):
+    """Importing TorchTitan's models starts CUDA, after which CUDA_VISIBLE_DEVICES is ignored: a
+    sharded reference built its model spec first, and both ranks landed on GPU 0 (NCCL: 'Duplicate
+    GPU detected', 2 x H200). The trainer and the reference must call init_device first."""
+    import importlib
+
+    from forge_core import titan
+
+    mod_name, name = cls.split(".")
+    mod = importlib.import_module(f"forge_core.actors.{mod_name}")
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_init_device(*a, **k):
+        order.append("init_device")
+        return torch.device("cpu")
+
+    def fake_spec(*a, **k):
+        order.append("titan_model_args")
+        raise Stop
+
+    monkeypatch.setattr(mod, "init_device", fake_init_device)
+    monkeypatch.setattr(titan, "titan_model_args", fake_spec)
+    actor = object.__new__(getattr(mod, name))
+    kw = dict(model={"name": "smollm2_135m", "seed": 0}, device="cpu", temperature=1.0, seq_len=64, seed=0, threads=1)
+    if name == "Reference":
+        kw.update(dtype="float32", micro_batch_size=1)
+    else:
+        cfg = load_config("smollm2_135m", [])
+        kw.update(trainer=cfg.trainer, loss=cfg.loss, publish_dtype="float32", max_response_tokens=32)
+    with pytest.raises(Stop):
+        type(actor).__init__(actor, **kw)
+    assert order == ["init_device", "titan_model_args"]

@@ -48,12 +48,13 @@ class Reference(Actor):
 
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "reference", threads)
+        self.world = max(len(gpus), 1)
+        self.rank = current_rank().rank if self.world > 1 else 0
+        # first: importing TorchTitan's models starts CUDA, which then ignores CUDA_VISIBLE_DEVICES
+        self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
         self.model_cfg = dict(model)
         self.dtype = resolve_dtype(dtype, device, self.spec.hf["hidden_size"], "reference")
-        self.world = max(len(gpus), 1)
-        self.rank = current_rank().rank if self.world > 1 else 0
-        self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.budget, self.chunk = tokens_per_micro_batch, logprob_chunk
         compile = compile and device == "cuda"
