@@ -15,13 +15,7 @@ Conventions of every function in this module:
 * r_t = pi_theta / pi_behaviour = exp(logprobs - behaviour_logprobs); A = advantage;
   sg(.) = stop-gradient (``.detach()``).
 
-References (arXiv ids): GRPO 2402.03300, Dr. GRPO 2503.20783, DAPO 2503.14476, dual-clip PPO
-1912.09729, GSPO 2507.18071, CISPO (MiniMax-M1) 2506.13585, SAPO 2511.20347, PPO 1707.06347;
-REINFORCE: Williams (1992), "Simple statistical gradient-following algorithms for connectionist
-reinforcement learning", Machine Learning 8:229-256; truncated importance sampling (TIS): Yao et
-al. (2025), "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
-https://fengyao.notion.site/off-policy-rl; KL estimators: Schulman (2020), "Approximating KL
-divergence", http://joschu.net/blog/kl-approx.html.
+Each loss's paper is cited in its config's docstring, the KL estimators' source in :func:`kl_estimate`.
 """
 
 from dataclasses import dataclass
@@ -175,14 +169,16 @@ class SAPOLossConfig(LossConfig):
 
 @dataclass
 class ReinforceLossConfig(LossConfig):
-    """REINFORCE (Williams, 1992) with optional truncated importance sampling (TIS). Per token::
+    """REINFORCE (Williams, 1992, "Simple statistical gradient-following algorithms for connectionist
+    reinforcement learning", Machine Learning 8:229-256) with optional truncated importance sampling
+    (TIS). Per token::
 
         w_t = sg(min(r_t, tis_cap))  if tis_cap is not None else 1
         loss_t = -w_t * A_t * logp_t
 
     aggregated with ``token_mean``. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly
-    Brings You Off-Policy RL Training") corrects the mismatch between the sampler's log-probs
-    (``behaviour_logprobs``) and the trainer's; they use a cap C = 2.
+    Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl) corrects the
+    mismatch between the sampler's log-probs (``behaviour_logprobs``) and the trainer's; cap C = 2 there.
     """
 
     name: str = "reinforce"
@@ -380,14 +376,10 @@ def _validate(cfg: Any) -> None:
 def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None
                  ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss selected by ``cfg.name`` and its metrics. The formula of each loss is in its config's
-    docstring: :class:`GRPOLossConfig`
-    (arXiv:2402.03300), :class:`DrGRPOLossConfig` (arXiv:2503.20783), :class:`DAPOLossConfig`
-    (arXiv:2503.14476, dual clip arXiv:1912.09729), :class:`GSPOLossConfig`
-    (arXiv:2507.18071), :class:`CISPOLossConfig` (arXiv:2506.13585), :class:`SAPOLossConfig`
-    (arXiv:2511.20347), :class:`ReinforceLossConfig` (Williams 1992; TIS, Yao et al. 2025).
-    To every per-token loss, ``beta * kl_estimate(logprobs, ref_logprobs, kl_estimator)`` is
-    added when ``beta > 0``; the sum is reduced by :func:`aggregate` with ``cfg.aggregation``.
+    """The loss selected by ``cfg.name`` and its metrics; each loss's formula and paper are in its
+    config's docstring (:data:`LOSS_CONFIGS`). ``beta * kl_estimate(logprobs, ref_logprobs, kl_estimator)``
+    is added to every per-token loss when ``beta > 0``; the sum is reduced by :func:`aggregate` with
+    ``cfg.aggregation``.
 
     Args:
         cfg: a :class:`LossConfig` subclass instance, or an OmegaConf DictConfig with its fields.
