@@ -23,10 +23,6 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "LOSS_CONFIGS", "METRIC_KEYS", "CISPOLossConfig", "DAPOLossConfig",
-           "DrGRPOLossConfig", "GRPOLossConfig", "GSPOLossConfig", "LossConfig", "ReinforceLossConfig",
-           "SAPOLossConfig", "aggregate", "compute_loss", "kl_estimate", "make_loss_config"]
-
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_horizon")
 METRIC_KEYS = ("ratio_mean", "ratio_min", "ratio_max", "clip_frac_low", "clip_frac_high", "kl_mean", "kl_max",
@@ -204,11 +200,6 @@ def make_loss_config(name: str, **overrides: Any) -> LossConfig:
     return LOSS_CONFIGS[name](**overrides)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else (bf16, fp16, fp32, ints) computes in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_2d(name: str, x: torch.Tensor, shape: Optional[torch.Size] = None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -240,7 +231,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         raise ValueError(f"unknown kl_estimator={estimator!r}; expected one of {KL_ESTIMATORS}")
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected {tuple(logprobs.shape)}")
-    dtype = _compute_dtype(logprobs.dtype)
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     x = logprobs.to(dtype) - ref_logprobs.detach().to(dtype)
     if estimator == "k1":
         return x
@@ -425,7 +416,7 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     beta = float(cfg.beta)
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} > 0 needs ref_logprobs (got None); set beta=0 to disable the KL term")
-    dtype = _compute_dtype(logprobs.dtype)
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32  # bf16, fp16, ints: float32
     m = mask != 0
     # Zero every input on masked positions before any arithmetic: no inf/nan can leak.
     lp = torch.where(m, logprobs.to(dtype), 0.0)

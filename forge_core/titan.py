@@ -168,9 +168,7 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None, dtyp
     adapter, seen = adapter or state_dict_adapter(spec), set()
     for name, p in model.named_parameters():
         name = clean_name(name)
-        t = p.detach()
-        if dtype is not None:
-            t = t.to(dtype)
+        t = p.detach() if dtype is None else p.detach().to(dtype)
         if full and isinstance(t, DTensor):
             t = t.full_tensor()
         for k, v in adapter.to_hf({name: t}).items():
