@@ -20,6 +20,7 @@ layout (what vLLM's ``load_weights`` takes), in :func:`hf_layout` order; tied em
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 from dataclasses import dataclass
@@ -68,7 +69,6 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if mt == "llama" and scaling == "llama3":
         from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
-
         dim = hf["hidden_size"]
         for multiple_of, mult in ((1024, 1.3), (256, None), (1024, None), (256, 1.3), (4096, 1.3)):
             if _llama3_ffn(dim, multiple_of, mult) == hf["intermediate_size"]:
@@ -90,7 +90,6 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
         return TitanSpec("llama3", args, hf)
     if mt in ("qwen3", "llama") and not scaling:
         from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
         args = Qwen3ModelArgs(
             dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
             n_kv_heads=hf["num_key_value_heads"], vocab_size=hf["vocab_size"], head_dim=head_dim,
@@ -164,7 +163,6 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None, dtyp
     parameter at a time, so at most one full tensor is alive). With FSDP/TP (DTensor parameters)
     every rank must iterate (each ``full_tensor`` is a collective). ``dtype`` casts before gathering."""
     from torch.distributed.tensor import DTensor
-
     adapter, seen = adapter or state_dict_adapter(spec), set()
     for name, p in model.named_parameters():
         name = clean_name(name)
@@ -184,7 +182,6 @@ def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> 
         ValueError: naming missing or unexpected keys.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
-
     sd = state_dict_adapter(spec).from_hf(dict(hf_sd))
     params = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     missing = [n for n in params if n not in sd]
@@ -203,10 +200,7 @@ def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> 
 
 def load_hf_dir(model: torch.nn.Module, spec: TitanSpec, path: str) -> None:
     """Load ``*.safetensors`` of an HF checkpoint directory into ``model``."""
-    import glob
-
     from safetensors.torch import load_file
-
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -217,7 +211,6 @@ def job_config(seq_len: int, ac: bool, tp: int = 1, compile: bool = False):
     """A TorchTitan ``JobConfig`` holding only what ``parallelize_*`` reads here: bf16 params with
     fp32 reductions (FSDP2 mixed precision), full activation checkpointing or none, compile, TP."""
     from torchtitan.config import JobConfig
-
     jc = JobConfig()
     jc.training.seq_len = seq_len
     jc.training.mixed_precision_param = "bfloat16"
@@ -249,7 +242,6 @@ def parallelize_fn(spec: TitanSpec, world_size: int, tp: int, ac: bool, seq_len:
 
         return one
     from torchtitan.distributed import ParallelDims
-
     if world_size % tp:
         raise ValueError(f"trainer.tp={tp} must divide the trainer's {world_size} GPUs")
     pd = ParallelDims(dp_replicate=1, dp_shard=world_size // tp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size)
