@@ -300,7 +300,7 @@ class Trainer(Actor):
         first use); every rank iterates, as the gathers are collectives."""
         named = titan.named_hf_tensors(self.model, self.spec, self.adapter, dtype=getattr(torch, dtype))
         if self.rank != 0:
-            for _ in named:  # the gathers are collectives: every rank iterates
+            for _ in named:
                 pass
             return None
         if self.sender is not None:
