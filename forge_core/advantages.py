@@ -31,10 +31,10 @@ class AdvantageConfig:
     drop_zero_variance: bool = False
 
 
-def group_advantages(
-    rewards: torch.Tensor, estimator: str = "zscore", eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages, one scalar per sample.
+def group_advantages(rewards: torch.Tensor, estimator: str = "zscore", eps: float = 1e-6
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages of ``rewards`` [N, G] (N prompts with G samples each; any real dtype,
+    finite): ``(advantages [N, G] float32, zero_variance [N] bool)``, on ``rewards``' device.
 
     For a group of G rewards R_1..R_G of one prompt, mean m and *unbiased* std s (Bessel's
     G - 1, as ``torch.std``):
@@ -46,16 +46,8 @@ def group_advantages(
 
     A group whose rewards are all exactly equal is flagged ``zero_variance`` and gets
     advantages exactly 0 with every estimator (DAPO, arXiv:2503.14476: such groups give no
-    gradient). Computed in float64, returned as float32. With G = 1, ``zscore`` and ``mean``
-    return 0 (every group is flagged).
-
-    Args:
-        rewards: [N, G] rewards, N prompts with G samples each (any real dtype, finite).
-        estimator: ``"zscore" | "mean" | "rloo"``.
-        eps: added to the std (``zscore`` only), >= 0.
-
-    Returns:
-        ``(advantages [N, G] float32, zero_variance [N] bool)``, on ``rewards``' device.
+    gradient). Computed in float64. With G = 1, ``zscore`` and ``mean`` return 0 (every group is
+    flagged).
 
     Raises:
         ValueError: unknown ``estimator`` (names the field), rewards not 2-D or not finite,
@@ -89,11 +81,8 @@ def group_advantages(
 
 
 def compute_advantages(rewards: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Advantages per :class:`AdvantageConfig`, with DAPO's dynamic-sampling filter.
-
-    Args:
-        rewards: [N, G] rewards (N prompts x G samples).
-        cfg: :class:`AdvantageConfig` or a DictConfig with the same fields.
+    """Advantages of ``rewards`` [N, G] (N prompts x G samples) per ``cfg`` (an :class:`AdvantageConfig`
+    or a DictConfig with its fields), with DAPO's dynamic-sampling filter.
 
     Returns:
         ``(advantages [N, G] float32, keep [N] bool, metrics)``. ``keep`` is False for the
@@ -106,11 +95,7 @@ def compute_advantages(rewards: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, t
     """
     adv, zero_variance = group_advantages(rewards, cfg.estimator, float(cfg.eps))
     keep = ~zero_variance if bool(cfg.drop_zero_variance) else torch.ones_like(zero_variance)
-    n_zero = int(zero_variance.sum())
-    metrics = {
-        "zero_variance_groups": float(n_zero),
-        "zero_variance_frac": n_zero / max(zero_variance.numel(), 1),
-        "dropped_groups": float(int((~keep).sum())),
-    }
-    return adv, keep, metrics
+    n_zero, n = int(zero_variance.sum()), max(zero_variance.numel(), 1)
+    return adv, keep, {"zero_variance_groups": float(n_zero), "zero_variance_frac": n_zero / n,
+                       "dropped_groups": float(int((~keep).sum()))}
 

@@ -83,12 +83,9 @@ def collate(episodes: list[Episode], pad_id: int, pad_to: int = 32) -> Batch:
     B = len(episodes)
     P = _round_up(max(len(e.prompt_ids) for e in episodes), pad_to)
     R = _round_up(max(max(len(e.response_ids) for e in episodes), 1), pad_to)
-    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    att = torch.zeros((B, P + R), dtype=torch.long)
-    rmask = torch.zeros((B, R))
-    beh = torch.zeros((B, R))
-    has_ref = all(e.ref_logprobs is not None for e in episodes)
-    ref = torch.zeros((B, R)) if has_ref else None
+    ids, att = torch.full((B, P + R), pad_id, dtype=torch.long), torch.zeros((B, P + R), dtype=torch.long)
+    rmask, beh = torch.zeros((B, R)), torch.zeros((B, R))
+    ref = torch.zeros((B, R)) if all(e.ref_logprobs is not None for e in episodes) else None
     for i, e in enumerate(episodes):
         p, r = len(e.prompt_ids), len(e.response_ids)
         ids[i, P - p:P] = torch.tensor(e.prompt_ids)

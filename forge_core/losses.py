@@ -1,16 +1,8 @@
 """Policy-gradient losses for RL post-training of LLMs, behind one interface.
 
 ``loss=<name>`` selects one of the configs in :data:`LOSS_CONFIGS` (its own parameters live under it)
-and :func:`compute_loss` dispatches on ``cfg.name``. Every loss takes the same inputs, all treated as
-constants except ``logprobs``, and returns ``(loss, metrics)``:
-
-* ``logprobs``            [B, T]  per-token log pi_theta(y_t | x, y_<t) of the policy being trained;
-* ``behaviour_logprobs``  [B, T]  the same tokens' log-probs under the generator (pi_old, e.g. vLLM);
-* ``ref_logprobs``        [B, T]  log-probs under the frozen reference model, or ``None``
-                                  (needed only when ``cfg.beta > 0``);
-* ``advantages``          [B] (one per sequence, broadcast over its tokens) or [B, T];
-* ``mask``                [B, T]  1/True on response tokens that count, 0/False elsewhere.
-
+and :func:`compute_loss` dispatches on ``cfg.name``; every loss takes the same [B, T] inputs (see
+:func:`compute_loss`), all constants except ``logprobs``, and returns ``(loss, metrics)``.
 Conventions of every function in this module:
 
 * The loss is *minimised*: minus the paper's surrogate objective, plus ``beta * KL`` when
@@ -23,13 +15,7 @@ Conventions of every function in this module:
 * r_t = pi_theta / pi_behaviour = exp(logprobs - behaviour_logprobs); A = advantage;
   sg(.) = stop-gradient (``.detach()``).
 
-References (arXiv ids): GRPO 2402.03300, Dr. GRPO 2503.20783, DAPO 2503.14476, dual-clip PPO
-1912.09729, GSPO 2507.18071, CISPO (MiniMax-M1) 2506.13585, SAPO 2511.20347, PPO 1707.06347;
-REINFORCE: Williams (1992), "Simple statistical gradient-following algorithms for connectionist
-reinforcement learning", Machine Learning 8:229-256; truncated importance sampling (TIS): Yao et
-al. (2025), "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
-https://fengyao.notion.site/off-policy-rl; KL estimators: Schulman (2020), "Approximating KL
-divergence", http://joschu.net/blog/kl-approx.html.
+Each loss's paper is cited in its config's docstring, the KL estimators' source in :func:`kl_estimate`.
 """
 
 from dataclasses import dataclass
@@ -37,44 +23,12 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = [
-    "AGGREGATIONS",
-    "KL_ESTIMATORS",
-    "LOSS_CONFIGS",
-    "METRIC_KEYS",
-    "CISPOLossConfig",
-    "DAPOLossConfig",
-    "DrGRPOLossConfig",
-    "GRPOLossConfig",
-    "GSPOLossConfig",
-    "LossConfig",
-    "ReinforceLossConfig",
-    "SAPOLossConfig",
-    "aggregate",
-    "compute_loss",
-    "kl_estimate",
-    "make_loss_config",
-]
-
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_horizon")
-METRIC_KEYS = (
-    "ratio_mean",
-    "ratio_min",
-    "ratio_max",
-    "clip_frac_low",
-    "clip_frac_high",
-    "kl_mean",
-    "kl_max",
-    "masked_frac",
-)
-
-
-# --------------------------------------------------------------------------------------------
-# Configs
-# --------------------------------------------------------------------------------------------
-# Field annotations use typing.Optional (not ``X | None``) so OmegaConf.structured / Hydra's
-# ConfigStore accept every dataclass on all supported OmegaConf versions.
+METRIC_KEYS = ("ratio_mean", "ratio_min", "ratio_max", "clip_frac_low", "clip_frac_high", "kl_mean", "kl_max",
+               "masked_frac")
+# Config fields use typing.Optional (not ``X | None``): OmegaConf.structured / Hydra's ConfigStore
+# accept it on all supported OmegaConf versions. Subclasses restate only the fields they change.
 
 
 @dataclass
@@ -106,9 +60,8 @@ class GRPOLossConfig(LossConfig):
 
         loss_t = -min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t) + beta * KL_t
 
-    aggregated with ``seq_mean`` (1/G sum_i 1/|o_i| sum_t, as in the paper); the paper's KL
-    is the k3 estimator with beta = 0.04. ``dual_clip`` (None = off) adds dual-clip PPO
-    (arXiv:1912.09729) exactly as in :class:`DAPOLossConfig`.
+    aggregated with ``seq_mean`` (1/G sum_i 1/|o_i| sum_t, as in the paper); the paper's KL is k3 with
+    beta = 0.04. ``dual_clip`` (None = off): dual-clip PPO (arXiv:1912.09729) as in :class:`DAPOLossConfig`.
     """
 
     name: str = "grpo"
@@ -123,13 +76,12 @@ class GRPOLossConfig(LossConfig):
 class DrGRPOLossConfig(LossConfig):
     """Dr. GRPO, "Understanding R1-Zero-Like Training: A Critical Perspective" (arXiv:2503.20783).
 
-    Same per-token clipped surrogate as GRPO, but without the per-response length normalisation:
-    ``fixed_horizon`` aggregation (sum over tokens / (B * max length)), no KL (beta = 0). Pair it
-    with ``forge_core.advantages.AdvantageConfig(estimator="mean")`` (no division by the group std).
+    GRPO's per-token clipped surrogate without the per-response length normalisation: ``fixed_horizon``
+    aggregation (sum over tokens / (B * max length)), no KL (beta = 0). Pair it with
+    ``forge_core.advantages.AdvantageConfig(estimator="mean")`` (no division by the group std).
     """
 
     name: str = "dr_grpo"
-    beta: float = 0.0
     aggregation: str = "fixed_horizon"
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -138,9 +90,7 @@ class DrGRPOLossConfig(LossConfig):
 
 @dataclass
 class DAPOLossConfig(LossConfig):
-    """DAPO (arXiv:2503.14476): clip-higher, token-level mean, no KL; plus dual clip.
-
-    Per token::
+    """DAPO (arXiv:2503.14476): clip-higher, token-level mean, no KL; plus dual clip. Per token::
 
         obj_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)   # clip-higher, eq. 8
         obj_t = max(obj_t, dual_clip * A_t)   if A_t < 0                    # arXiv:1912.09729
@@ -152,8 +102,6 @@ class DAPOLossConfig(LossConfig):
     """
 
     name: str = "dapo"
-    beta: float = 0.0
-    aggregation: str = "token_mean"
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: Optional[float] = 3.0
@@ -174,7 +122,6 @@ class GSPOLossConfig(LossConfig):
     """
 
     name: str = "gspo"
-    beta: float = 0.0
     aggregation: str = "seq_mean"
     clip_low: float = 3e-4
     clip_high: float = 4e-4
@@ -182,9 +129,7 @@ class GSPOLossConfig(LossConfig):
 
 @dataclass
 class CISPOLossConfig(LossConfig):
-    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585, eq. 4-5).
-
-    Per token::
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585, eq. 4-5). Per token::
 
         loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logp_t
 
@@ -194,17 +139,13 @@ class CISPOLossConfig(LossConfig):
     """
 
     name: str = "cispo"
-    beta: float = 0.0
-    aggregation: str = "token_mean"
     clip_low: float = 1.0
     clip_high: float = 0.28
 
 
 @dataclass
 class SAPOLossConfig(LossConfig):
-    """SAPO, Soft Adaptive Policy Optimization (arXiv:2511.20347): a soft gate, no hard clip.
-
-    Per token::
+    """SAPO, Soft Adaptive Policy Optimization (arXiv:2511.20347): a soft gate, no hard clip. Per token::
 
         f(r) = sigmoid(tau * (r - 1)) * 4 / tau,   tau = tau_pos if A_t > 0 else tau_neg
         loss_t = -f(r_t) * A_t
@@ -217,7 +158,6 @@ class SAPOLossConfig(LossConfig):
     """
 
     name: str = "sapo"
-    beta: float = 0.0
     aggregation: str = "seq_mean"
     tau_pos: float = 1.0
     tau_neg: float = 1.05
@@ -225,45 +165,31 @@ class SAPOLossConfig(LossConfig):
 
 @dataclass
 class ReinforceLossConfig(LossConfig):
-    """REINFORCE (Williams, 1992) with optional truncated importance sampling (TIS).
-
-    Per token::
+    """REINFORCE (Williams, 1992, "Simple statistical gradient-following algorithms for connectionist
+    reinforcement learning", Machine Learning 8:229-256) with optional truncated importance sampling
+    (TIS). Per token::
 
         w_t = sg(min(r_t, tis_cap))  if tis_cap is not None else 1
         loss_t = -w_t * A_t * logp_t
 
     aggregated with ``token_mean``. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly
-    Brings You Off-Policy RL Training") corrects the mismatch between the sampler's log-probs
-    (``behaviour_logprobs``) and the trainer's; they use a cap C = 2.
+    Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl) corrects the
+    mismatch between the sampler's log-probs (``behaviour_logprobs``) and the trainer's; cap C = 2 there.
     """
 
     name: str = "reinforce"
-    beta: float = 0.0
-    aggregation: str = "token_mean"
     tis_cap: Optional[float] = None
 
 
-LOSS_CONFIGS: dict[str, type[LossConfig]] = {
-    "grpo": GRPOLossConfig,
-    "dr_grpo": DrGRPOLossConfig,
-    "dapo": DAPOLossConfig,
-    "gspo": GSPOLossConfig,
-    "cispo": CISPOLossConfig,
-    "sapo": SAPOLossConfig,
-    "reinforce": ReinforceLossConfig,
-}
+LOSS_CONFIGS: dict[str, type[LossConfig]] = {c.name: c for c in (
+    GRPOLossConfig, DrGRPOLossConfig, DAPOLossConfig, GSPOLossConfig, CISPOLossConfig, SAPOLossConfig,
+    ReinforceLossConfig)}
 """Loss name (the value of ``cfg.name``, and the Hydra option ``loss=<name>``) -> its config."""
 
 
 def make_loss_config(name: str, **overrides: Any) -> LossConfig:
-    """Build the default config of loss ``name`` with some fields overridden.
-
-    Args:
-        name: a key of :data:`LOSS_CONFIGS`.
-        **overrides: field values, e.g. ``clip_high=0.3``.
-
-    Returns:
-        The dataclass instance (its ``name`` is always ``name``).
+    """The default config of loss ``name`` (a key of :data:`LOSS_CONFIGS`) with ``overrides``
+    (field values, e.g. ``clip_high=0.3``) applied.
 
     Raises:
         ValueError: unknown ``name`` (message names the field ``name``).
@@ -272,11 +198,6 @@ def make_loss_config(name: str, **overrides: Any) -> LossConfig:
     if name not in LOSS_CONFIGS:
         raise ValueError(f"unknown loss name={name!r}; expected one of {sorted(LOSS_CONFIGS)}")
     return LOSS_CONFIGS[name](**overrides)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else (bf16, fp16, fp32, ints) computes in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_2d(name: str, x: torch.Tensor, shape: Optional[torch.Size] = None) -> None:
@@ -299,16 +220,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     * ``k3 = exp(-x) - 1 + x``                unbiased, low variance, >= 0 (GRPO's choice,
       arXiv:2402.03300 eq. 4: pi_ref/pi_theta - log(pi_ref/pi_theta) - 1).
 
-    Gradients flow into ``logprobs`` only; ``ref_logprobs`` is detached. Computed in float32
-    (float64 for float64 inputs). Purely elementwise: apply the mask afterwards.
-
-    Args:
-        logprobs: [B, T] (any shape, matching ``ref_logprobs``).
-        ref_logprobs: same shape.
-        estimator: ``"k1" | "k2" | "k3"``.
-
-    Returns:
-        Tensor of the same shape as ``logprobs``.
+    ``logprobs`` and ``ref_logprobs``: [B, T] (any shape, the same); returns that shape, elementwise
+    (apply the mask afterwards), in float32 (float64 for float64 inputs). Gradients flow into
+    ``logprobs`` only.
 
     Raises:
         ValueError: unknown ``estimator`` (names the field ``kl_estimator``) or shape mismatch.
@@ -317,7 +231,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         raise ValueError(f"unknown kl_estimator={estimator!r}; expected one of {KL_ESTIMATORS}")
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected {tuple(logprobs.shape)}")
-    dtype = _compute_dtype(logprobs.dtype)
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     x = logprobs.to(dtype) - ref_logprobs.detach().to(dtype)
     if estimator == "k1":
         return x
@@ -327,13 +241,10 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     return torch.expm1(-x) + x
 
 
-def aggregate(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token_mean",
-    horizon: Optional[int] = None,
-) -> torch.Tensor:
-    """Reduce per-token losses [B, T] to a scalar over the tokens where ``mask`` is set.
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean",
+              horizon: Optional[int] = None) -> torch.Tensor:
+    """Reduce per-token losses ``per_token`` [B, T] (float) to a 0-dim tensor of its dtype over the
+    tokens where ``mask`` ([B, T], bool or 0/1) is set.
 
     With m = mask, n_i = sum_t m_it and l = per_token:
 
@@ -349,15 +260,6 @@ def aggregate(
 
     If no token is unmasked, every mode returns 0 (never NaN), with gradient 0. Masked positions
     may hold non-finite values: they are selected away, not multiplied by 0.
-
-    Args:
-        per_token: [B, T] float tensor.
-        mask: [B, T] bool or 0/1 numeric.
-        mode: ``"token_mean" | "seq_mean" | "fixed_horizon"``.
-        horizon: L for ``fixed_horizon`` (positive int) or ``None``.
-
-    Returns:
-        0-dim tensor of ``per_token``'s dtype.
 
     Raises:
         ValueError: unknown ``mode`` (names the field ``aggregation``), non-positive
@@ -462,33 +364,22 @@ def _validate(cfg: Any) -> None:
         raise ValueError(f"tis_cap must be > 0 (or None), got {cfg.tis_cap!r}")
 
 
-def compute_loss(
-    cfg: Any,
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Compute the loss selected by ``cfg.name`` and its metrics.
-
-    The formula of each loss is in its config's docstring: :class:`GRPOLossConfig`
-    (arXiv:2402.03300), :class:`DrGRPOLossConfig` (arXiv:2503.20783), :class:`DAPOLossConfig`
-    (arXiv:2503.14476, dual clip arXiv:1912.09729), :class:`GSPOLossConfig`
-    (arXiv:2507.18071), :class:`CISPOLossConfig` (arXiv:2506.13585), :class:`SAPOLossConfig`
-    (arXiv:2511.20347), :class:`ReinforceLossConfig` (Williams 1992; TIS, Yao et al. 2025).
-    To every per-token loss, ``beta * kl_estimate(logprobs, ref_logprobs, kl_estimator)`` is
-    added when ``beta > 0``; the sum is reduced by :func:`aggregate` with ``cfg.aggregation``.
+def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss selected by ``cfg.name`` and its metrics; each loss's formula and paper are in its
+    config's docstring (:data:`LOSS_CONFIGS`). ``beta * kl_estimate(logprobs, ref_logprobs, kl_estimator)``
+    is added to every per-token loss when ``beta > 0``; the sum is reduced by :func:`aggregate` with
+    ``cfg.aggregation``.
 
     Args:
-        cfg: a :class:`LossConfig` subclass instance, or an OmegaConf DictConfig with the same
-            fields (fields are read as attributes; dispatch is on ``cfg.name``).
-        logprobs: [B, T] policy log-probs of the sampled tokens; the only input that receives
-            gradients. Any float dtype: computation is float32 (float64 if this is float64).
-        behaviour_logprobs: [B, T] generator log-probs of the same tokens (detached).
-        advantages: [B] (broadcast over tokens) or [B, T] (detached).
-        mask: [B, T] bool or 0/1; False/0 marks prompt, padding or otherwise ignored tokens.
-        ref_logprobs: [B, T] reference-model log-probs (detached), or None. Required when
+        cfg: a :class:`LossConfig` subclass instance, or an OmegaConf DictConfig with its fields.
+        logprobs: [B, T] log pi_theta(y_t | x, y_<t) of the sampled tokens under the policy being
+            trained; the only input that receives gradients. Any float dtype.
+        behaviour_logprobs: [B, T] the same tokens' log-probs under the generator (pi_old, e.g. vLLM).
+        advantages: [B] (one per sequence, broadcast over its tokens) or [B, T].
+        mask: [B, T] bool or 0/1; True/1 on response tokens that count (not prompt or padding).
+        ref_logprobs: [B, T] log-probs under the frozen reference model, or None. Required when
             ``cfg.beta > 0``; when given with beta = 0 it only feeds the KL metrics.
 
     Returns:
@@ -525,15 +416,13 @@ def compute_loss(
     beta = float(cfg.beta)
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} > 0 needs ref_logprobs (got None); set beta=0 to disable the KL term")
-
-    dtype = _compute_dtype(logprobs.dtype)
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32  # bf16, fp16, ints: float32
     m = mask != 0
     # Zero every input on masked positions before any arithmetic: no inf/nan can leak.
     lp = torch.where(m, logprobs.to(dtype), 0.0)
     old = torch.where(m, behaviour_logprobs.detach().to(dtype), 0.0)
     adv = advantages.detach().to(dtype)
     adv = torch.where(m, adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv, 0.0)
-
     term = _policy_term(cfg, lp, old, adv, m)
     per_token = term.loss
     kl = None
@@ -565,7 +454,6 @@ def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> 
         stats += [zero, zero] if kl is None else [mean(kl), torch.where(m, kl, -float("inf")).amax()]
         stats += [frac(v) if v.dtype == torch.bool else mean(v.to(dtype)) for v in term.extra.values()]
         count, *values = torch.stack(stats).tolist()
-
     out = dict(zip(METRIC_KEYS[:7] + tuple(term.extra), values))
     if count == 0:  # nothing unmasked: neutral values instead of +-inf / NaN
         out = {k: 1.0 if k.startswith("ratio_") else 0.0 for k in out}

@@ -14,11 +14,6 @@ Usage (trainer or reference actor; ``episodes`` a list of :class:`forge_core.epi
         lp = packed_response_logprobs(model, mb, R, temperature)            # [len(idx), R]
         loss, metrics = compute_loss(cfg, lp, batch.behaviour_logprobs[idx].to(device), ...)
         (loss * share).backward()  # share: this micro-batch's weight in the step's aggregate
-
-Attention backends (:func:`enable_packed_attention`): ``"flex"`` (CUDA: TorchTitan's own
-``FlexAttentionWrapper`` and a ``BlockMask``), ``"sdpa"`` (any device: SDPA with a dense
-block-diagonal causal mask; the CPU path, as CPU FlexAttention has no backward) and ``"varlen"``
-(CUDA: TorchTitan's ``VarlenAttentionWrapper``; not verified here).
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ def pack_episodes(lengths: list[int], budget: int) -> list[list[int]]:
     """
     if budget < 1:
         raise ValueError(f"{TOKENS_FIELD}={budget} must be >= 1")
-    bins: list[list[int]] = []
-    room: list[int] = []
+    bins, room = [], []  # index lists, and the tokens left in each
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[i]
         if n < 0 or n > budget:
@@ -136,10 +130,9 @@ def pack_batch(episodes: list, budget: int, pad_id: int = 0) -> PackedBatch:
 
 
 class DocumentCausalSDPA(torch.nn.Module):
-    """Inner attention for TorchTitan's ``attn_type="varlen"`` branch: SDPA with a dense
-    block-diagonal causal boolean mask from the metadata's ``cu_seq_q`` (what ``varlen_attn``
-    computes, with ``T^2`` mask booleans per layer). q ``[b, H, T, hd]``, k/v ``[b, H_kv, T, hd]``
-    -> ``[b, T, H, hd]``. Plain tensors only (Qwen3 under TP hands it DTensors: unsupported)."""
+    """Inner attention for TorchTitan's ``attn_type="varlen"`` branch: SDPA with a dense block-diagonal
+    causal boolean mask (``T^2`` per layer) from the metadata's ``cu_seq_q``, as ``varlen_attn`` computes.
+    q ``[b, H, T, hd]``, k/v ``[b, H_kv, T, hd]`` -> ``[b, T, H, hd]``. Plain tensors only (not TP's DTensors)."""
 
     def forward(self, q, k, v, meta, scale: Optional[float] = None) -> torch.Tensor:
         b, _, T, _ = q.shape
@@ -163,17 +156,15 @@ def enable_packed_attention(model: torch.nn.Module, backend: Optional[str] = Non
 
     Sets each ``Attention.attn_type`` and swaps its parameter-free ``inner_attention``: ``"flex"``
     -> ``FlexAttentionWrapper``; ``"varlen"`` -> ``VarlenAttentionWrapper``; ``"sdpa"`` ->
-    :class:`DocumentCausalSDPA` under the varlen branch. ``None``: ``"flex"`` on CUDA (a
-    parameter's device; CUDA availability on the meta device), else ``"sdpa"``. Parameters and
-    ``model_args`` are untouched, and the attention modules are found through FSDP2 /
-    checkpoint / compile wrappers. Call it before the first forward, best before ``parallelize``
-    (compiled blocks would otherwise recompile once).
+    :class:`DocumentCausalSDPA` under the varlen branch (the CPU path: CPU FlexAttention has no
+    backward; ``"varlen"`` is not verified here). ``None``: ``"flex"`` on CUDA (a parameter's device;
+    CUDA availability on the meta device), else ``"sdpa"``. Call it before the first forward, best
+    before ``parallelize`` (compiled blocks would otherwise recompile once).
 
     Raises:
         ValueError: an unknown backend, or no TorchTitan attention module in ``model``.
     """
     from torchtitan.models.attention import FlexAttentionWrapper, VarlenAttentionWrapper
-
     if backend is None:
         dev = next(model.parameters()).device
         cuda = dev.type == "cuda" or (dev.type == "meta" and torch.cuda.is_available())
@@ -207,7 +198,6 @@ def packed_attention_mask(model: torch.nn.Module, mb: PackedBatch):
     if kind == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
         from torchtitan.models.attention import create_attention_mask
-
         doc, T = mb.doc_ids, mb.tokens.shape[1]
 
         def document_causal(b, h, q_idx, kv_idx):
@@ -217,7 +207,6 @@ def packed_attention_mask(model: torch.nn.Module, mb: PackedBatch):
         return build(document_causal, 1, None, T, T, device=doc.device)
     if kind == "varlen":
         from torchtitan.models.attention import VarlenMetadata
-
         longest = max(mb.max_len, mb.n_pad)
         return VarlenMetadata(mb.cu_seqlens, mb.cu_seqlens, longest, longest)
     raise ValueError(f"attention type {kind!r}: call enable_packed_attention(model) before packed forwards")
@@ -269,8 +258,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                      temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
     """``[N]`` float32 logprob of each target under ``softmax(hidden @ weight.T / temperature)``,
-    holding at most one ``[chunk_size, V]`` block of logits at a time, in forward and backward.
-
+    holding at most one ``[chunk_size, V]`` block of logits at a time, in forward and backward:
     ``lp_n = z_n[y_n] - logsumexp(z_n)``, ``z_n = hidden_n @ weight.T / temperature`` in float32
     (``torch.logsumexp`` subtracts the row max: the logsumexp trick). The backward recomputes each
     chunk's logits and uses ``d lp / d z = onehot(y) - softmax(z)``; prior art: Liger-Kernel's
@@ -284,7 +272,8 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     Raises:
         ValueError: bad shapes, ``temperature <= 0`` or ``chunk_size < 1``.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+    if (hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]
+            or targets.shape != hidden.shape[:1]):
         raise ValueError(f"chunked_logprobs: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
                          f"targets {tuple(targets.shape)}: expected [N, D], [V, D], [N]")
     if not temperature > 0 or chunk_size < 1:
@@ -299,11 +288,10 @@ def packed_response_logprobs(model: torch.nn.Module, mb: PackedBatch, R: int, te
     :func:`forge_core.losses.compute_loss` takes it unchanged); differentiable.
 
     Runs ``model(mb.tokens, attention_masks, mb.positions)`` (``model`` prepared by
-    :func:`enable_packed_attention`, ``mb`` on its device) with ``model.output.forward`` replaced
-    by an instance attribute during the call, so FSDP2's hooks still run and unshard the weight:
-    the output layer takes the ``N`` response positions and returns :func:`chunked_logprobs`. A
-    DTensor weight inside that forward (tensor parallelism) falls back to ``[N, V]`` logits, as
-    ``titan.response_logprobs``. ``attention_masks``: a prebuilt :func:`packed_attention_mask`.
+    :func:`enable_packed_attention`, ``mb`` on its device) with ``model.output.forward`` replaced by
+    an instance attribute during the call (FSDP2's hooks still run and unshard the weight): it
+    takes the ``N`` response positions and returns :func:`chunked_logprobs`, or ``[N, V]`` logits
+    for a DTensor (TP) weight. ``attention_masks``: a prebuilt :func:`packed_attention_mask`.
 
     Raises:
         ValueError: ``R`` too small, a document longer than ``model_args.max_seq_len`` (RoPE
@@ -322,13 +310,11 @@ def packed_response_logprobs(model: torch.nn.Module, mb: PackedBatch, R: int, te
         idx = mb.select
         if hasattr(h, "device_mesh"):  # TP: the index as a replicated DTensor (forward and backward)
             from torch.distributed.tensor import DTensor, Replicate
-
             idx = DTensor.from_local(idx, h.device_mesh, [Replicate()] * h.device_mesh.ndim)
         h = h.reshape(-1, h.shape[-1]).index_select(0, idx)
-        w = out_mod.weight
-        if hasattr(w, "device_mesh"):  # DTensor (TP): full logits of the selected rows
+        if hasattr(out_mod.weight, "device_mesh"):  # DTensor (TP): full logits of the selected rows
             return type(out_mod).forward(out_mod, h)
-        return chunked_logprobs(h, w, mb.targets, temperature, chunk_size)
+        return chunked_logprobs(h, out_mod.weight, mb.targets, temperature, chunk_size)
 
     mesh = getattr(out_mod.weight, "device_mesh", None)
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # TorchTitan's TP mesh dim

@@ -6,22 +6,21 @@ Which TorchTitan model serves which registry entry (:func:`titan_model_args`):
 
 - Qwen3 (``model_type=qwen3``): ``torchtitan.models.qwen3.Qwen3Model`` with the source's sizes.
 - Llama with plain RoPE (SmolLM2-135M: tied embeddings, head_dim 64): also ``Qwen3Model``, with
-  ``qk_norm=False``. Without q/k norms TorchTitan's Qwen3 block *is* the HF Llama block (same
-  rotate-half RoPE, no biases, SwiGLU, RMSNorm), and it has the tied-embedding option that
-  TorchTitan's Llama3 model lacks; the Qwen3 adapter's HF names are Llama's names.
+  ``qk_norm=False``: without q/k norms TorchTitan's Qwen3 block *is* the HF Llama block (rotate-half
+  RoPE, no biases, SwiGLU, RMSNorm), with the tied embeddings TorchTitan's Llama3 lacks; the Qwen3
+  adapter's HF names are Llama's names.
 - Llama 3.1 (``rope_scaling.rope_type=llama3``): ``torchtitan.models.llama3.Transformer`` (its
   RoPE scaling) with ``Llama3StateDictAdapter`` (which permutes wq/wk between the layouts).
 
-Why TorchTitan 0.2.2: 0.3.0 imports ``DataParallelMeshDims`` from torch, which the GPU image's
-torch 2.11 lacks (ImportError at import), and on CPU 0.3.0 only offers flex/varlen attention,
-whose backward is not implemented on CPU; 0.2.2 runs on torch 2.11 (GPU) and 2.13 (CPU).
-
-Published weights are always in HF names and layout (what vLLM's ``load_weights`` takes), in
-:func:`hf_layout` order; tied embeddings appear once (``model.embed_tokens.weight``).
+TorchTitan 0.2.2, as 0.3.0 imports ``DataParallelMeshDims``, which the GPU image's torch 2.11 lacks,
+and on CPU offers only flex/varlen attention (no CPU backward). Published weights are in HF names and
+layout (what vLLM's ``load_weights`` takes), in :func:`hf_layout` order; tied embeddings appear once
+(``model.embed_tokens.weight``).
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 from dataclasses import dataclass
@@ -70,13 +69,13 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if mt == "llama" and scaling == "llama3":
         from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
-
         dim = hf["hidden_size"]
         for multiple_of, mult in ((1024, 1.3), (256, None), (1024, None), (256, 1.3), (4096, 1.3)):
             if _llama3_ffn(dim, multiple_of, mult) == hf["intermediate_size"]:
                 break
         else:
-            raise ValueError(f"{name}: intermediate_size {hf['intermediate_size']} not expressible in TorchTitan Llama3")
+            raise ValueError(f"{name}: intermediate_size {hf['intermediate_size']} not expressible in TorchTitan "
+                             "Llama3")
         rs = hf["rope_scaling"]
         args = TransformerModelArgs(
             dim=dim, n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
@@ -91,7 +90,6 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
         return TitanSpec("llama3", args, hf)
     if mt in ("qwen3", "llama") and not scaling:
         from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
         args = Qwen3ModelArgs(
             dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
             n_kv_heads=hf["num_key_value_heads"], vocab_size=hf["vocab_size"], head_dim=head_dim,
@@ -104,12 +102,10 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
 def state_dict_adapter(spec: TitanSpec):
     """TorchTitan's HF state-dict adapter for ``spec`` (``to_hf`` / ``from_hf``)."""
     if spec.family == "llama3":
-        from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
-
-        return Llama3StateDictAdapter(spec.args, None)
-    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
-
-    return Qwen3StateDictAdapter(spec.args, None)
+        from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter as cls
+    else:
+        from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter as cls
+    return cls(spec.args, None)
 
 
 def hf_layout(spec: TitanSpec) -> list[tuple[str, tuple, int]]:
@@ -151,7 +147,6 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
         model.to(dtype)
     if packed:
         from forge_core.packing import enable_packed_attention
-
         enable_packed_attention(model, "flex" if torch.device(device).type == "cuda" else "sdpa")
     if parallelize is not None:
         model = parallelize(model) or model
@@ -167,15 +162,11 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None, dtyp
     """Yield ``(hf_name, tensor)`` for every parameter, converted by the state-dict adapter (one
     parameter at a time, so at most one full tensor is alive). With FSDP/TP (DTensor parameters)
     every rank must iterate (each ``full_tensor`` is a collective). ``dtype`` casts before gathering."""
-    adapter = adapter or state_dict_adapter(spec)
     from torch.distributed.tensor import DTensor
-
-    seen = set()
+    adapter, seen = adapter or state_dict_adapter(spec), set()
     for name, p in model.named_parameters():
         name = clean_name(name)
-        t = p.detach()
-        if dtype is not None:
-            t = t.to(dtype)
+        t = p.detach() if dtype is None else p.detach().to(dtype)
         if full and isinstance(t, DTensor):
             t = t.full_tensor()
         for k, v in adapter.to_hf({name: t}).items():
@@ -191,44 +182,35 @@ def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> 
         ValueError: naming missing or unexpected keys.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
-
-    adapter = state_dict_adapter(spec)
-    sd = adapter.from_hf(dict(hf_sd))
+    sd = state_dict_adapter(spec).from_hf(dict(hf_sd))
     params = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     missing = [n for n in params if n not in sd]
     unexpected = [n for n in sd if n not in params]
     if missing or unexpected:
-        raise ValueError(f"HF weights do not match the TorchTitan model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(f"HF weights do not match the TorchTitan model: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
     with torch.no_grad():
         for n, p in params.items():
-            src = sd[n]
             if isinstance(p, DTensor):
-                src = distribute_tensor(src.to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements)
+                src = distribute_tensor(sd[n].to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements)
                 p.to_local().copy_(src.to_local())
             else:
-                p.copy_(src.to(p.device, p.dtype))
+                p.copy_(sd[n].to(p.device, p.dtype))
 
 
 def load_hf_dir(model: torch.nn.Module, spec: TitanSpec, path: str) -> None:
     """Load ``*.safetensors`` of an HF checkpoint directory into ``model``."""
-    import glob
-
     from safetensors.torch import load_file
-
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    sd = {}
-    for f in files:
-        sd.update(load_file(f))
-    load_hf_state_dict(model, spec, sd)
+    load_hf_state_dict(model, spec, {k: v for f in files for k, v in load_file(f).items()})
 
 
 def job_config(seq_len: int, ac: bool, tp: int = 1, compile: bool = False):
     """A TorchTitan ``JobConfig`` holding only what ``parallelize_*`` reads here: bf16 params with
     fp32 reductions (FSDP2 mixed precision), full activation checkpointing or none, compile, TP."""
     from torchtitan.config import JobConfig
-
     jc = JobConfig()
     jc.training.seq_len = seq_len
     jc.training.mixed_precision_param = "bfloat16"
@@ -252,7 +234,6 @@ def parallelize_fn(spec: TitanSpec, world_size: int, tp: int, ac: bool, seq_len:
         def one(model):
             if ac:
                 from torchtitan.distributed.activation_checkpoint import apply_ac
-
                 apply_ac(model, jc.activation_checkpoint)
             if compile:
                 for name, block in model.layers.named_children():
@@ -261,7 +242,6 @@ def parallelize_fn(spec: TitanSpec, world_size: int, tp: int, ac: bool, seq_len:
 
         return one
     from torchtitan.distributed import ParallelDims
-
     if world_size % tp:
         raise ValueError(f"trainer.tp={tp} must divide the trainer's {world_size} GPUs")
     pd = ParallelDims(dp_replicate=1, dp_shard=world_size // tp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size)
@@ -271,10 +251,6 @@ def parallelize_fn(spec: TitanSpec, world_size: int, tp: int, ac: bool, seq_len:
     else:
         from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3 as fn
     return lambda model: fn(model, pd, jc)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 class PositionSelect:
@@ -303,20 +279,19 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     positions start at 0 in every row, as in the generator. Only response positions reach the
     output layer when ``select`` (a :class:`PositionSelect` on this model) is given.
     """
-    B = len(episodes)
-    lens = [len(e.prompt_ids) + len(e.response_ids) for e in episodes]
-    T = _round_up(max(lens), 64 if torch.device(device).type == "cuda" else 8)  # CPU: less padding
+    B, m = len(episodes), 64 if torch.device(device).type == "cuda" else 8  # CPU: less padding
+    T = -(-max(len(e.prompt_ids) + len(e.response_ids) for e in episodes) // m) * m  # rounded up to m
     ids = torch.full((B, T), pad_id, dtype=torch.long)
-    rows, cols, tgt, outc = [], [], [], []
+    rows, flat, tgt, outc = [], [], [], []
     for i, e in enumerate(episodes):
         p, r = len(e.prompt_ids), len(e.response_ids)
         ids[i, :p + r] = torch.tensor(list(e.prompt_ids) + list(e.response_ids), dtype=torch.long)
         rows += [i] * r
-        cols += range(p - 1, p + r - 1)
+        flat += range(i * T + p - 1, i * T + p + r - 1)
         outc += range(r)
         tgt += e.response_ids
     ids = ids.to(device, non_blocking=True)
-    flat = torch.tensor([r * T + c for r, c in zip(rows, cols)], dtype=torch.long).to(device)
+    flat = torch.tensor(flat, dtype=torch.long).to(device)
     target = torch.tensor(tgt, dtype=torch.long).to(device)
     if select is not None:
         select.idx = flat
@@ -334,8 +309,7 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
         logits = logits / temperature
     lp = logits.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     out = torch.zeros(B, R, device=device, dtype=torch.float32)
-    out = out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
-    return out
+    return out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
 
 
 def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float:
@@ -355,9 +329,7 @@ def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float
 def flops_per_token(spec: TitanSpec, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 6 N plus attention 12 L d_attn T), as in
     TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once."""
-    n = sum(numel for *_, numel in hf_layout(spec)) - spec.hf["vocab_size"] * spec.hf["hidden_size"]
-    n += spec.hf["vocab_size"] * spec.hf["hidden_size"]  # the output projection is a matmul either way
-    h = spec.hf
+    h, n = spec.hf, sum(numel for *_, numel in hf_layout(spec))
     hd = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
     return 6 * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
 
@@ -367,7 +339,4 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 def peak_tflops(device_name: str) -> float:
     """Dense bf16 datasheet peak of a GPU named like ``NVIDIA H100 80GB HBM3`` (0 if unknown)."""
-    for k, v in PEAK_BF16_TFLOPS.items():
-        if k in device_name:
-            return v
-    return 0.0
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), 0.0)

@@ -13,13 +13,14 @@ import time
 from typing import Optional
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, current_rank, endpoint
 
 from forge_core import titan
 from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.episode import Episode
-from forge_core.weight_sync import WeightHandle, layout_views, open_ipc
+from forge_core.models import ModelConfig, pretrained_dir
+from forge_core.weight_sync import WeightHandle, digest_of, layout_views, open_ipc
 
 
 class Reference(Actor):
@@ -44,8 +45,6 @@ class Reference(Actor):
                  seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0, port: int = 0,
                  tokens_per_micro_batch: int = 0, logprob_chunk: int = 1024, compile: bool = False,
                  cores_dir: str = ""):
-        from monarch.actor import current_rank
-
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "reference", threads)
         self.world = max(len(gpus), 1)
@@ -57,8 +56,7 @@ class Reference(Actor):
         self.dtype = resolve_dtype(dtype, device, self.spec.hf["hidden_size"], "reference")
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.budget, self.chunk = tokens_per_micro_batch, logprob_chunk
-        compile = compile and device == "cuda"
-        par = titan.parallelize_fn(self.spec, self.world, 1, False, seq_len, compile) if self.world > 1 or compile else None
+        par = titan.parallelize_fn(self.spec, self.world, 1, False, seq_len, compile and device == "cuda")  # or None
         self.model = titan.build_model(self.spec, self.device, model["seed"], par, dtype=self.dtype,
                                        packed=self.budget > 0)
         self.model.requires_grad_(False)
@@ -98,8 +96,6 @@ class Reference(Actor):
     @endpoint
     async def digest(self) -> str:
         """sha256 of the weights in HF layout (rank 0 of a sharded reference gathers them)."""
-        from forge_core.weight_sync import digest_of
-
         return digest_of(titan.named_hf_tensors(self.model, self.spec))
 
     @endpoint
@@ -108,15 +104,13 @@ class Reference(Actor):
         reference, while the trainer has moved on): the pretrained weights cast to this dtype, or
         the same seeded random init in fp32, cast. Returns :meth:`digest`; the caller compares it
         with the digest of the original version 0 (a sharded random init is not reproduced)."""
-        from forge_core.models import ModelConfig, pretrained_dir
-        from forge_core.weight_sync import digest_of
-
         src = pretrained_dir(ModelConfig(**self.model_cfg))
         if src:
             titan.load_hf_dir(self.model, self.spec, src)
         else:
             fp32 = titan.build_model(self.spec, self.device, self.model_cfg["seed"])
-            titan.load_hf_state_dict(self.model, self.spec, dict(titan.named_hf_tensors(fp32, self.spec, dtype=self.dtype)))
+            titan.load_hf_state_dict(self.model, self.spec,
+                                     dict(titan.named_hf_tensors(fp32, self.spec, dtype=self.dtype)))
             del fp32
         self.version = 0
         return digest_of(titan.named_hf_tensors(self.model, self.spec))

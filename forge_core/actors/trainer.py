@@ -22,12 +22,17 @@ import time
 from typing import Optional
 
 import torch
-from monarch.actor import Actor, endpoint
+import torch.distributed as dist
+from monarch.actor import Actor, current_rank, endpoint
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from forge_core import titan
 from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
 from forge_core.losses import compute_loss
+from forge_core.models import ModelConfig, hf_config_dict, pretrained_dir
+from forge_core.packing import pack_batch, pack_episodes, packed_response_logprobs
 from forge_core.weight_sync import Sender, StagingBuffer, WeightHandle
 
 _SUM_KEYS = ("train_tokens", "seq_tokens")
@@ -50,27 +55,24 @@ def accumulate(agg: dict, m: dict, share: float) -> None:
     """Fold one micro-batch's metrics into ``agg``: sums, maxima, minima, else share-weighted means."""
     for k, v in m.items():
         v = float(v)
-        if k in _SUM_KEYS:
-            agg[k] = agg.get(k, 0.0) + v
-        elif k in _MAX_KEYS:
-            agg[k] = max(agg.get(k, -float("inf")), v)
+        if k in _MAX_KEYS:
+            agg[k] = max(agg.get(k, -math.inf), v)
         elif k in _MIN_KEYS:
-            agg[k] = min(agg.get(k, float("inf")), v)
+            agg[k] = min(agg.get(k, math.inf), v)
         else:
-            agg[k] = agg.get(k, 0.0) + share * v
+            agg[k] = agg.get(k, 0.0) + (v if k in _SUM_KEYS else share * v)
 
 
 def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int = 0) -> list[tuple[list[int], bool]]:
     """This rank's micro-batches of ``episodes`` as ``(indices, dummy)``: its ``rank::world`` share,
     packed by a token budget (``budget`` > 0, :func:`forge_core.packing.pack_episodes`) or ``size``
-    sequences at a time, longest first (each micro-batch is padded to its longest row). Every rank gets the same number, as FSDP's collectives need: a rank with
-    fewer runs dummy ones (the batch's first episode, its result unused).
+    sequences at a time, longest first (each micro-batch is padded to its longest row). Every rank
+    gets the same number, as FSDP's collectives need: a rank with fewer runs dummy ones (the batch's
+    first episode, its result unused).
 
     Raises:
         ValueError: an episode longer than ``budget`` (names ``trainer.tokens_per_micro_batch``).
     """
-    from forge_core.packing import pack_episodes
-
     lens = [len(e.prompt_ids) + len(e.response_ids) for e in episodes]
 
     def split(idx: list[int]) -> list[list[int]]:
@@ -91,8 +93,6 @@ def logprobs_of(model, episodes: list, idx: list[int], R: int, temperature: floa
     padded (:func:`forge_core.titan.response_logprobs`)."""
     chunk_eps = [episodes[i] for i in idx]
     if budget:
-        from forge_core.packing import pack_batch, packed_response_logprobs
-
         return packed_response_logprobs(model, pack_batch(chunk_eps, budget).to(device), R, temperature, chunk)
     return titan.response_logprobs(model, chunk_eps, R, temperature, device, select)
 
@@ -127,11 +127,6 @@ class Trainer(Actor):
                  max_response_tokens: int, seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0,
                  port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0,
                  cores_dir: str = ""):
-        from monarch.actor import current_rank
-        from omegaconf import OmegaConf
-
-        from forge_core.models import ModelConfig, pretrained_dir
-
         self.t = OmegaConf.create(trainer)
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "trainer", threads)
@@ -190,8 +185,6 @@ class Trainer(Actor):
     def _warm_up(self) -> float:
         """Compile the blocks now, on a dummy micro-batch (forward and backward, no optimizer step,
         gradients dropped), so the first real step is not the one that pays. Returns seconds."""
-        from forge_core.episode import Episode
-
         t0 = time.perf_counter()
         n = min(self.budget or 512, self.spec.args.max_seq_len)  # documents of at most the RoPE table's length
         k = max((self.budget or n) // n, 1)
@@ -216,8 +209,6 @@ class Trainer(Actor):
     def _reduce(self, agg: dict) -> dict:
         if self.world == 1:
             return agg
-        import torch.distributed as dist
-
         keys, out = sorted(agg), {}
         for op, names in ((dist.ReduceOp.MAX, [k for k in keys if k in _MAX_KEYS]),
                           (dist.ReduceOp.MIN, [k for k in keys if k in _MIN_KEYS]),
@@ -275,10 +266,10 @@ class Trainer(Actor):
                 accumulate(agg, m, share)
         except torch.OutOfMemoryError as e:
             self.opt.zero_grad(set_to_none=True)
-            raise RuntimeError(f"trainer: out of GPU memory at policy version {self.version} "
-                               f"({'packed micro-batches of ' + str(self.budget) + ' tokens' if self.budget else str(self.t.micro_batch_size) + ' sequences per micro-batch'}, "
-                               f"activation checkpointing {'on' if self.ac else 'off'}): lower "
-                               f"{'trainer.tokens_per_micro_batch' if self.budget else 'trainer.micro_batch_size'}"
+            size, knob = ((f"packed micro-batches of {self.budget} tokens", "tokens_per_micro_batch") if self.budget
+                          else (f"{self.t.micro_batch_size} sequences per micro-batch", "micro_batch_size"))
+            raise RuntimeError(f"trainer: out of GPU memory at policy version {self.version} ({size}, activation "
+                               f"checkpointing {'on' if self.ac else 'off'}): lower trainer.{knob}"
                                f"{'' if self.ac else ' or set trainer.activation_checkpointing=true'}. "
                                f"{str(e).splitlines()[0][:200]}") from None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm)
@@ -366,10 +357,6 @@ class Trainer(Actor):
     async def save(self, path: str, optimizer: bool = True) -> None:
         """HF safetensors (``model.safetensors`` + ``config.json``, fp32, written by rank 0), the
         optimizer and RNG state per rank (``optimizer.rank<r>.pt``) and ``trainer.json`` (version)."""
-        from safetensors.torch import save_file
-
-        from forge_core.models import hf_config_dict
-
         sd = {k: v.cpu().contiguous() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
         os.makedirs(path, exist_ok=True)
         if self.rank == 0:
@@ -393,8 +380,6 @@ class Trainer(Actor):
             FileNotFoundError: naming the missing checkpoint file.
             ValueError: the weights do not match the model (names the keys).
         """
-        from safetensors.torch import load_file
-
         st = os.path.join(path, "model.safetensors")
         if not os.path.isfile(st):
             raise FileNotFoundError(f"checkpoint has no weights: {st}")
