@@ -15,22 +15,16 @@ from forge_core.models import load_model, load_tokenizer
 from forge_core.rewards import extract_answer
 
 
-def eval_subset(n: int, seed: int, dir: Optional[str], hub_id: str) -> list:
-    """The fixed subset: ``n`` test problems drawn with ``random.Random(seed)``, in file order."""
-    test = load_gsm8k("test", dir, hub_id)
-    idx = sorted(random.Random(seed).sample(range(len(test)), min(n, len(test))))
-    return [test[i] for i in idx]
-
-
 def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dict:
-    """Greedy-decode the subset of ``cfg`` (model, data, eval, generator.max_prompt_tokens) and score it.
+    """Greedy-decode a fixed subset (``eval.num_questions`` test problems drawn with
+    ``random.Random(eval.seed)``, in file order) with ``cfg``'s model, data, eval and
+    generator.max_prompt_tokens, and score it.
     ``ckpt``: an HF-format checkpoint directory (e.g. ``runs/<recipe>/<run>/final``); ``None``
     evaluates the recipe's base model. Returns ``{"accuracy_strict", "accuracy_flexible",
     "format_rate", "n", "seconds", "model"}``. Raises FileNotFoundError if ``ckpt`` is given but holds
     no ``config.json``."""
     from forge_core.actors import resolve_dtype
     from forge_core.models import gqa_sdpa, hf_config_dict
-
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
@@ -40,7 +34,9 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     else:
         model = load_model(cfg.model, dtype=dtype)
     tok = load_tokenizer(cfg.model)
-    problems = eval_subset(cfg.eval.num_questions, cfg.eval.seed, cfg.data.dir, cfg.data.hub_id)
+    test = load_gsm8k("test", cfg.data.dir, cfg.data.hub_id)
+    idx = random.Random(cfg.eval.seed).sample(range(len(test)), min(cfg.eval.num_questions, len(test)))
+    problems = [test[i] for i in sorted(idx)]
     strict = flexible = fmt = 0
     t0 = time.perf_counter()
     with tqdm(total=len(problems), desc="eval (greedy)", unit="q", disable=not progress) as bar:

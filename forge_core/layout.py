@@ -52,14 +52,6 @@ class Plan:
     gpus_per_node: int = 0
 
 
-def generator_hosts(layout: Any) -> list[int]:
-    """Node of each generator replica: ``replicas`` in contiguous blocks over ``hosts`` (or ``host``)."""
-    hosts = list(layout.generator.hosts) or [int(layout.generator.host)]
-    n = int(layout.generator.replicas)
-    per = -(-n // len(hosts))
-    return [int(hosts[i // per]) for i in range(n)]
-
-
 def plan_layout(cfg: Any, heads: Optional[int] = None) -> Plan:
     """Place every service of ``cfg`` (``device``, ``layout``, ``trainer.tp``; see the module
     docstring); ``heads``: the model's attention heads, which ``layout.generator.tp`` must divide.
@@ -69,7 +61,10 @@ def plan_layout(cfg: Any, heads: Optional[int] = None) -> Plan:
     L, g, t, r = cfg.layout, cfg.layout.generator, cfg.layout.trainer, cfg.layout.reference
     if int(g.replicas) < 1 or int(g.tp) < 1:
         raise LayoutError(f"layout.generator.replicas={g.replicas} and layout.generator.tp={g.tp} must be >= 1")
-    gkey, ghosts = "layout.generator.hosts" if list(g.hosts) else "layout.generator.host", generator_hosts(L)
+    gkey = "layout.generator.hosts" if list(g.hosts) else "layout.generator.host"
+    hosts = list(g.hosts) or [int(g.host)]
+    per = -(-int(g.replicas) // len(hosts))  # replicas per host, in contiguous blocks
+    ghosts = [int(hosts[i // per]) for i in range(int(g.replicas))]  # the node of each replica
     for key, host in [(gkey, h) for h in ghosts] + [("layout.trainer.host", t.host), ("layout.reference.host", r.host)]:
         if not 0 <= int(host) < int(L.nodes):
             raise LayoutError(f"{key}: node {host} is outside layout.nodes={L.nodes}")

@@ -183,12 +183,6 @@ class Services:
         shutil.rmtree(cores_dir(), ignore_errors=True)
 
 
-def actor_class(role: str, device: str) -> type:
-    """The class playing ``role`` on ``device`` (:data:`ROLES`; imported on demand: vLLM only on GPUs)."""
-    mod, cls = ROLES[role][device == "cuda"].split(":")
-    return getattr(importlib.import_module(mod), cls)
-
-
 def _section(cfg: DictConfig, key: str) -> dict:
     return OmegaConf.to_container(cfg[key], resolve=True)
 
@@ -256,7 +250,8 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     placement = procs.spawn(f"placement_{name}", Placement)
     where = await _Endpoint(placement.where, ranks).call_all()
     addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
-    actor = procs.spawn(name, actor_class(role, cfg.device),
+    mod, cls = ROLES[role][cfg.device == "cuda"].split(":")  # imported on demand: vLLM only on GPUs
+    actor = procs.spawn(name, getattr(importlib.import_module(mod), cls),
                         **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name))
     svc = Service(name, slot, procs, actor, where)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
