@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from forge_core.data import DataConfig
 from forge_core.advantages import AdvantageConfig
@@ -226,12 +226,10 @@ def register() -> None:
 
 
 def _check(cfg: DictConfig, where: str) -> None:
-    choices = {
-        "generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"),
-        "trainer.compute_dtype": ("bfloat16", "float32", "auto"), "generator.dtype": ("bfloat16", "float32", "auto"),
-        "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"), "generator.sleep_level": (1, 2),
-        "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
-    }
+    dtypes = ("bfloat16", "float32", "auto")
+    choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
+               "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
+               "generator.sleep_level": (1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma")}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
         if v not in allowed:
@@ -297,9 +295,8 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
     try:
         with initialize_config_dir(config_dir=d, version_base=None):
             cfg = compose(config_name="config", overrides=list(overrides or []))
-        OmegaConf.set_struct(cfg, False)
-        cfg.recipe = os.path.basename(d)
-        OmegaConf.set_struct(cfg, True)
+        with open_dict(cfg):
+            cfg.recipe = os.path.basename(d)
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         msg = " ".join(str(x).strip() for x in (e, e.__cause__) if x).replace("\n", " ")

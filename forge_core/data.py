@@ -103,30 +103,22 @@ def load_gsm8k(split: str, dir: Optional[str] = None, hub_id: str = "openai/gsm8
 
 
 class PromptSource:
-    """Endless, seeded stream of training problems: a fresh permutation each epoch.
-
-    Its position (``epoch``, ``index``) is part of every checkpoint, so a resumed run sees exactly
-    the batch the uninterrupted run would have seen next.
-    """
+    """Endless, seeded stream of training problems: a fresh permutation each epoch. Its position
+    (``epoch``, ``index``) is part of every checkpoint, so a resumed run sees exactly the batch the
+    uninterrupted run would have seen next."""
 
     def __init__(self, problems: list[Problem], seed: int = 0):
         if not problems:
             raise DataError("the prompt source is empty")
-        self.problems, self.seed = problems, seed
+        self.problems = problems
         self.load_state_dict({"seed": seed, "epoch": 0, "index": 0})
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
 
     def next_batch(self, n: int) -> list[Problem]:
         """The next ``n`` problems, wrapping into a new epoch (new permutation) when needed."""
         out = []
         while len(out) < n:
             if self.index == len(self._order):
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
+                self.load_state_dict({"seed": self.seed, "epoch": self.epoch + 1, "index": 0})
             out.append(self.problems[self._order[self.index]])
             self.index += 1
         return out
@@ -138,7 +130,8 @@ class PromptSource:
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by :meth:`state_dict`."""
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
-        self._order = self._permutation(self.epoch)
+        self._order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
 
 
 def chat_prompt(tokenizer: Any, question: str, system_prompt: str) -> str:
