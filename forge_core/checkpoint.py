@@ -23,24 +23,16 @@ MANIFEST = "manifest.json"
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_manifest(path: str, step: int) -> dict:
     """Write ``manifest.json`` (sizes in bytes and sha256 of every other file under ``path``),
     fsynced, as the last file of a checkpoint. Returns the manifest."""
-    files = {}
-    for root, _, names in os.walk(path):
-        for n in sorted(names):
-            full = os.path.join(root, n)
-            rel = os.path.relpath(full, path)
-            if rel != MANIFEST:
-                files[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
-    man = {"step": step, "files": files}
+    paths = [os.path.join(root, n) for root, _, names in os.walk(path) for n in sorted(names)]
+    man = {"step": step, "files": {os.path.relpath(p, path): {"bytes": os.path.getsize(p), "sha256": _sha256(p)}
+                                   for p in paths if os.path.relpath(p, path) != MANIFEST}}
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(man, f, indent=1)
         f.flush()
@@ -52,11 +44,10 @@ def verify(path: str) -> Optional[str]:
     """Why the checkpoint at ``path`` is damaged (a missing file, a size or checksum mismatch), or
     None when it matches its manifest. A checkpoint without a manifest (older runs) returns None;
     see :func:`has_manifest`."""
-    man_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(man_path):
+    if not has_manifest(path):
         return None
     try:
-        with open(man_path) as f:
+        with open(os.path.join(path, MANIFEST)) as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError) as e:
         return f"unreadable manifest ({e})"
@@ -80,9 +71,8 @@ def complete(root: str) -> list[str]:
     """Checkpoint directories under ``root`` (a ``controller.json`` present, not ``.tmp``), oldest first."""
     if not os.path.isdir(root):
         return []
-    names = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
-                   and os.path.isfile(os.path.join(root, d, "controller.json")))
-    return [os.path.join(root, d) for d in names]
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if d.startswith("step_")
+            and not d.endswith(".tmp") and os.path.isfile(os.path.join(root, d, "controller.json"))]
 
 
 def resume_point(root: str) -> Optional[str]:
@@ -111,18 +101,13 @@ def disk_full(e: BaseException, path: Optional[str] = None, low_bytes: int = 16 
     or, when ``path`` is given, the write failed with the filesystem of ``path`` (nearly) full:
     ``torch.save`` reports a short write only as ``RuntimeError: [enforce fail at
     inline_container.cc] ... unexpected pos``, without the errno."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    says = ("No space left on device", "Errno 28", "code: 28", "StorageFull", "Disk quota exceeded")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or any(s in str(e) for s in says):
         return True
-    text = str(e)
-    if any(s in text for s in ("No space left on device", "Errno 28", "code: 28", "StorageFull",
-                               "Disk quota exceeded")):
-        return True
-    if path is not None:
-        try:
-            return shutil.disk_usage(path).free < low_bytes
-        except OSError:
-            return False
-    return False
+    try:
+        return path is not None and shutil.disk_usage(path).free < low_bytes
+    except OSError:
+        return False
 
 
 def warn(msg: str) -> None:

@@ -15,11 +15,12 @@ and ``loss.clip_high=0.3`` sets one of its own parameters.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from forge_core.data import DataConfig
 from forge_core.advantages import AdvantageConfig
@@ -34,24 +35,17 @@ class ConfigError(ValueError):
 
 @dataclass
 class GeneratorConfig:
-    """Rollout generation.
-
-    Attributes:
-        backend: ``"hf"`` (transformers ``generate``, CPU) or ``"vllm"`` (GPU extra).
-        group_size: G, completions sampled per prompt.
-        max_prompt_tokens: prompts longer than this are left-truncated (tokens).
-        max_response_tokens: generation budget per completion (tokens).
-        temperature: sampling temperature (logprobs are of the tempered distribution).
-        top_p: nucleus sampling; 1.0 keeps the behaviour logprobs exact.
-        gpu_memory_utilization: vLLM's KV-cache share of GPU memory.
-        dtype: the generator's (and reference model's) weight dtype: ``bfloat16``, ``float32`` or
-            ``auto`` (bf16 on GPUs; on a CPU whichever a matmul probe in each actor's process finds
-            faster: bf16 only with hardware support such as AVX-512 BF16 or AMX). The trainer's fp32
-            master weights are cast to it when published.
-        max_num_seqs: vLLM's cap on sequences decoded at once (per replica).
-        sleep_level: vLLM sleep level between generations when colocated with the trainer
-            (1: weights to host memory, KV cache freed; 2: both freed).
-    """
+    """Rollout generation. ``backend``: ``"hf"`` (transformers ``generate``, CPU) or ``"vllm"`` (GPU
+    extra); ``group_size``: G, completions sampled per prompt; ``max_prompt_tokens``: longer prompts
+    are left-truncated (tokens); ``max_response_tokens``: generation budget per completion (tokens);
+    ``temperature``: logprobs are of the tempered distribution; ``top_p``: nucleus sampling, 1.0
+    keeps the behaviour logprobs exact; ``gpu_memory_utilization``: vLLM's KV-cache share of GPU
+    memory; ``dtype``: the generator's (and reference model's) weight dtype, ``bfloat16``,
+    ``float32`` or ``auto`` (bf16 on GPUs; on a CPU whichever a matmul probe in each actor's process
+    finds faster: bf16 only with hardware support such as AVX-512 BF16 or AMX), what the trainer's
+    fp32 master weights are cast to when published; ``max_num_seqs``: vLLM's cap on sequences
+    decoded at once (per replica); ``sleep_level``: vLLM sleep level between generations when
+    colocated with the trainer (1: weights to host memory, KV cache freed; 2: both freed)."""
 
     backend: str = "hf"
     group_size: int = 4
@@ -67,29 +61,20 @@ class GeneratorConfig:
 
 @dataclass
 class TrainerConfig:
-    """The policy optimiser (AdamW + global-norm gradient clipping).
-
-    Attributes:
-        lr: AdamW learning rate.
-        betas: AdamW betas.
-        weight_decay: AdamW decoupled weight decay.
-        max_grad_norm: clip threshold of the global gradient L2 norm.
-        micro_batch_size: sequences per forward/backward when not packing (gradient accumulation
-            beyond it); the reference's forward takes twice as many on GPUs.
-        tokens_per_micro_batch: sequence packing: episodes (prompt + response) are packed into
-            micro-batches of this many tokens, with document-causal attention (0: no packing, pad
-            ``micro_batch_size`` sequences to the longest). A multiple of 128 suits FlexAttention.
-        logprob_chunk: response positions per block of the chunked logprobs (no ``[tokens, vocab]``
-            logits are ever held whole).
-        compute_dtype: ``"bfloat16"`` autocast over fp32 master weights, ``"float32"``, or ``"auto"``
-            (as ``generator.dtype``).
-        activation_checkpointing: recompute each block in the backward (TorchTitan's full AC):
-            ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate
-            without it exceeds 85% of the GPU (never on CPU).
-        tp: tensor-parallel degree of the GPU trainer (TorchTitan TP; FSDP2 over the rest).
-        compile: ``torch.compile`` each block (TorchTitan's per-block compile), in the trainer and
-            the reference; the compile time is reported at start-up.
-    """
+    """The policy optimiser: AdamW (``lr``, ``betas``, decoupled ``weight_decay``) with the global
+    gradient L2 norm clipped at ``max_grad_norm``. ``micro_batch_size``: sequences per
+    forward/backward when not packing (gradient accumulation beyond it; the reference's forward
+    takes twice as many on GPUs). ``tokens_per_micro_batch``: sequence packing, episodes (prompt +
+    response) packed into micro-batches of this many tokens with document-causal attention (0: no
+    packing, pad ``micro_batch_size`` sequences to the longest; a multiple of 128 suits
+    FlexAttention). ``logprob_chunk``: response positions per block of the chunked logprobs (no
+    ``[tokens, vocab]`` logits are ever held whole). ``compute_dtype``: ``"bfloat16"`` autocast over
+    fp32 master weights, ``"float32"``, or ``"auto"`` (as ``generator.dtype``).
+    ``activation_checkpointing``: recompute each block in the backward (TorchTitan's full AC),
+    ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate without it
+    exceeds 85% of the GPU (never on CPU). ``tp``: tensor-parallel degree of the GPU trainer
+    (TorchTitan TP; FSDP2 over the rest). ``compile``: ``torch.compile`` each block (TorchTitan's
+    per-block compile) in the trainer and the reference; the compile time is reported at start-up."""
 
     lr: float = 1e-5
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -137,16 +122,12 @@ class LayoutConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """Trainer -> generator weight transfer (:mod:`forge_core.weight_sync`).
-
-    Attributes:
-        transport: ``auto`` (IPC on the trainer's host; across hosts RDMA where both ends have an
-            ibverbs device, else NCCL), or one of ``ipc``, ``nccl`` (gloo on CPU), ``rdma``
-            (Monarch ``RDMABuffer``; its TCP fallback without an ibverbs device).
-        bucket_mb: transfer unit of the NCCL broadcast and of peer-GPU copies (MiB).
-        timeout_s: a transfer group that does not form, or a transfer that does not finish,
-            within this many seconds fails naming both ends.
-    """
+    """Trainer -> generator weight transfer (:mod:`forge_core.weight_sync`). ``transport``: ``auto``
+    (IPC on the trainer's host; across hosts RDMA where both ends have an ibverbs device, else
+    NCCL), or one of ``ipc``, ``nccl`` (gloo on CPU), ``rdma`` (Monarch ``RDMABuffer``; its TCP
+    fallback without an ibverbs device). ``bucket_mb``: transfer unit of the NCCL broadcast and of
+    peer-GPU copies (MiB). ``timeout_s``: a transfer group that does not form, or a transfer that
+    does not finish, within this many seconds fails naming both ends."""
 
     transport: str = "auto"
     bucket_mb: int = 1024
@@ -163,19 +144,13 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    """Surviving faults inside a run (:mod:`forge_core.controller`).
-
-    Attributes:
-        max_restarts: respawns allowed per service (a generator replica, reward, reference) within
-            ``restart_window_s`` seconds; one more failure stops the run naming the actor.
-        restart_window_s: the window of ``max_restarts`` (seconds).
-        call_timeout_s: deadline of every actor call (seconds), plus the per-token budget below; a
-            missed deadline counts as the actor's death (killed and respawned).
-        timeout_per_token_s: added to a call's deadline per token of its work (generation:
-            prompts x group size x max response tokens; reference and trainer: the batch's tokens).
-        max_bad_steps: consecutive optimizer steps skipped for a non-finite loss or gradient norm
-            before the run stops.
-    """
+    """Surviving faults inside a run (:mod:`forge_core.controller`). ``max_restarts``: respawns
+    allowed per service (a generator replica, reward, reference) within ``restart_window_s`` seconds;
+    one more failure stops the run naming the actor. ``call_timeout_s``: deadline of every actor
+    call (seconds), plus ``timeout_per_token_s`` per token of its work (generation: prompts x group
+    size x max response tokens; reference and trainer: the batch's tokens); a missed deadline counts
+    as the actor's death (killed and respawned). ``max_bad_steps``: consecutive optimizer steps
+    skipped for a non-finite loss or gradient norm before the run stops."""
 
     max_restarts: int = 3
     restart_window_s: float = 3600.0
@@ -240,30 +215,21 @@ class Config:
     resume: bool = True
 
 
-_registered = False
-
-
+@functools.cache
 def register() -> None:
     """Register the schema (``base``) and the ``loss`` group with Hydra's ConfigStore (once)."""
-    global _registered
-    if _registered:
-        return
     from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     cs.store(name="base", node=Config)
     for name, cls in LOSS_CONFIGS.items():
         cs.store(group="loss", name=name, node=cls)
-    _registered = True
 
 
 def _check(cfg: DictConfig, where: str) -> None:
-    choices = {
-        "generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"),
-        "trainer.compute_dtype": ("bfloat16", "float32", "auto"), "generator.dtype": ("bfloat16", "float32", "auto"),
-        "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"), "generator.sleep_level": (1, 2),
-        "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
-    }
+    dtypes = ("bfloat16", "float32", "auto")
+    choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
+               "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
+               "generator.sleep_level": (1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma")}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
         if v not in allowed:
@@ -288,7 +254,6 @@ def _check(cfg: DictConfig, where: str) -> None:
                           f"{'vllm' if cfg.device == 'cuda' else 'hf'} (got {cfg.generator.backend!r})")
     from forge_core.layout import LayoutError, plan_layout
     from forge_core.models import hf_config_dict
-
     try:
         plan = plan_layout(cfg, hf_config_dict(cfg.model.name).get("num_attention_heads"))
     except (LayoutError, ValueError) as e:
@@ -304,42 +269,34 @@ def _check(cfg: DictConfig, where: str) -> None:
 
 
 def recipe_dir(recipe: str) -> str:
-    """Absolute path of a recipe folder: a name under ``recipes/`` or a path to a folder.
-
-    Raises:
-        ConfigError: if the folder or its ``config.yaml`` does not exist.
-    """
+    """Absolute path of a recipe folder: a name under ``recipes/`` or a path to a folder. Raises
+    ConfigError if the folder or its ``config.yaml`` does not exist."""
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
     named = os.path.join(root, recipe)
     d = os.path.abspath(named if os.sep not in recipe and os.path.isdir(named) else recipe)
     if not os.path.isfile(os.path.join(d, "config.yaml")):
-        known = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "config.yaml"))) if os.path.isdir(root) else []
+        known = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                       if os.path.isfile(os.path.join(root, n, "config.yaml")))
         raise ConfigError(f"recipe {recipe!r}: {os.path.join(d, 'config.yaml')} not found (recipes: {known})")
     return d
 
 
 def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfig:
-    """Compose ``recipes/<recipe>/config.yaml`` over the base schema, then ``overrides``.
-
-    ``recipe`` is a recipe name or a path to a recipe folder; the resolved ``recipe`` field is
-    the folder's name, so a copied folder is its own recipe.
-    Returns a resolved, read-only (struct) DictConfig.
-    Raises:
-        ConfigError: unknown/misspelled key, wrong type, bad value, missing recipe; names the key.
-    """
+    """Compose ``recipes/<recipe>/config.yaml`` (``recipe``: a name or a path to a recipe folder; the
+    resolved ``recipe`` field is the folder's name, so a copied folder is its own recipe) over the
+    base schema, then ``overrides``. Returns a resolved, read-only (struct) DictConfig. Raises
+    ConfigError naming the key: unknown/misspelled key, wrong type, bad value, missing recipe."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
     register()
     d = recipe_dir(recipe)
     where = os.path.join(d, "config.yaml")
     try:
         with initialize_config_dir(config_dir=d, version_base=None):
             cfg = compose(config_name="config", overrides=list(overrides or []))
-        OmegaConf.set_struct(cfg, False)
-        cfg.recipe = os.path.basename(d)
-        OmegaConf.set_struct(cfg, True)
+        with open_dict(cfg):
+            cfg.recipe = os.path.basename(d)
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         msg = " ".join(str(x).strip() for x in (e, e.__cause__) if x).replace("\n", " ")

@@ -62,28 +62,18 @@ from forge_core.weight_sync import choose_transport
 
 
 class Dispatcher:
-    """Spreads the prompt groups of a rollout batch over generator replicas. A group is never split;
-    each goes to the replica expected to finish it first, from the replica's outstanding groups and
-    its measured speed (an exponential moving average of groups per second), so a slow replica gets
-    less work. Pure bookkeeping, no actor calls.
-
-    Args:
-        replicas: number of replicas.
-        alpha: weight of the newest speed measurement in the moving average.
-    """
+    """Spreads the prompt groups of a rollout batch over ``replicas`` generator replicas. A group is
+    never split; each goes to the replica expected to finish it first, from its outstanding groups
+    and measured speed (an exponential moving average of groups per second, the newest measurement
+    weighted ``alpha``), so a slow replica gets less work. Pure bookkeeping, no actor calls."""
 
     def __init__(self, replicas: int, alpha: float = 0.5):
         self.rate: list[Optional[float]] = [None] * replicas  # groups / s
-        self.outstanding = [0] * replicas
-        self.alpha = alpha
+        self.outstanding, self.alpha = [0] * replicas, alpha
 
     def assign(self, n_groups: int, eligible: list[int]) -> dict[int, list[int]]:
         """``{replica: [group indices]}`` for ``n_groups`` groups over the ``eligible`` replicas
-        (their outstanding counts grow by what they get).
-
-        Raises:
-            ValueError: no eligible replica.
-        """
+        (their outstanding counts grow by what they get). Raises ValueError when none is eligible."""
         if not eligible:
             raise ValueError("no generator replica is eligible (all too stale)")
         known = [r for r in self.rate if r]
@@ -99,8 +89,7 @@ class Dispatcher:
         """Record that ``replica`` finished ``groups`` groups in ``seconds``."""
         self.outstanding[replica] -= groups
         if groups and seconds > 0:
-            r = groups / seconds
-            old = self.rate[replica]
+            r, old = groups / seconds, self.rate[replica]
             self.rate[replica] = r if old is None else self.alpha * r + (1 - self.alpha) * old
 
 
@@ -112,28 +101,21 @@ def batch_hash(episodes: list[Episode]) -> int:
 
 
 def _batch_stats(episodes: list[Episode], step: int) -> dict:
-    rewards = [e.reward for e in episodes]
-    lens = [len(e.response_ids) for e in episodes]
+    rewards, lens = [e.reward for e in episodes], [len(e.response_ids) for e in episodes]
     stale = [step - e.policy_version for e in episodes]
-    return {
-        "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-        "accuracy": statistics.fmean(e.correct for e in episodes),
-        "format_rate": statistics.fmean(e.formatted for e in episodes),
-        "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
-        "truncated_frac": statistics.fmean(e.truncated for e in episodes),
-        "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
-    }
+    return {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+            "accuracy": statistics.fmean(e.correct for e in episodes),
+            "format_rate": statistics.fmean(e.formatted for e in episodes),
+            "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
+            "truncated_frac": statistics.fmean(e.truncated for e in episodes),
+            "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale)}
 
 
 def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
     """How each generator replica gets new weights: ``(transport, rank)`` for ``ipc`` (the trainer's
     host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
     ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
-    Prints every choice.
-
-    Raises:
-        ValueError: an impossible explicit transport (``ipc`` across hosts).
-    """
+    Prints every choice. Raises ValueError for an impossible explicit transport (``ipc`` across hosts)."""
     t = svc.trainer
     routes, leader, rank = [], {}, 0
     for i, g in enumerate(svc.generators):
@@ -156,23 +138,15 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
 
 class Controller:
     """Runs a recipe: spawns the actors, runs both loops, logs, checkpoints, saves the final model.
-
-    Args:
-        cfg: the resolved run config (see :mod:`forge_core.config`).
-        out_dir: run directory (metrics.jsonl, reward.png, checkpoints/, final/).
-        hosts: optional multi-host Monarch ``HostMesh`` (node-rank order) from a launcher.
-        progress: show a tqdm progress bar on the console.
-    """
+    ``cfg``: the resolved run config (:mod:`forge_core.config`); ``out_dir``: the run directory
+    (metrics.jsonl, reward.png, checkpoints/, final/); ``hosts``: an optional multi-host Monarch
+    ``HostMesh`` (node-rank order) from a launcher; ``progress``: a tqdm progress bar on the console."""
 
     def __init__(self, cfg: DictConfig, out_dir: str, hosts: Any = None, progress: bool = True):
-        self.cfg = cfg
-        self.out_dir = out_dir
+        self.cfg, self.out_dir, self.hosts, self.progress = cfg, out_dir, hosts, progress
         self.ckpt_root = os.path.join(out_dir, "checkpoints")
-        self.hosts = hosts
-        self.progress = progress
         self.B = cfg.prompts_per_step * cfg.generator.group_size
-        self.batches_made = 0  # rollout batch counter k
-        self.step = 0
+        self.batches_made = self.step = 0  # the rollout batch counter k; the training step
         self.versions: list[int] = []  # per generator replica
         self.rollout_stats: list[dict] = []
         self.last_rollouts: list[dict] = []
@@ -180,7 +154,7 @@ class Controller:
         self.buffered = 0
         self.rollouts_in_flight = 0  # batches generating or being finished (reward, reference, buffer)
         self.paused = False  # set while a checkpoint is written
-        self.loading = False  # set while the replicas load a new version (rollouts wait: see _rollouts)
+        self.loading = False  # set while the replicas load a new version (rollouts wait: see rollout_loop)
         self.sync_task: Optional[asyncio.Task] = None
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
@@ -189,9 +163,7 @@ class Controller:
         self.generation = 0  # of the nccl weight-transfer group; a new one after a member is respawned
         self.restart_times: dict[str, list] = {}
         self.restarts = {"generator": 0, "reward": 0, "reference": 0}
-        self.skipped_batches = 0
-        self.bad_in_a_row = 0  # skipped steps in a row
-        self.checkpoint_failures = 0
+        self.skipped_batches = self.bad_in_a_row = self.checkpoint_failures = 0  # bad_in_a_row: skips in a row
         self.ref_digest = ""
         self.weight_dtype: Optional[str] = None  # the generators' weight dtype: what the trainer publishes
 
@@ -236,18 +208,14 @@ class Controller:
         return final
 
     async def restore(self, path: str) -> None:
-        """Resume from a checkpoint written by :meth:`save_checkpoint`.
-
-        Raises:
-            RuntimeError: the trainer's version and the checkpoint's step disagree.
-        """
+        """Resume from a checkpoint written by :meth:`save_checkpoint`. Raises RuntimeError when the
+        trainer's version and the checkpoint's step disagree."""
         version = await call("trainer", self.svc.trainer.load, path)
         with open(os.path.join(path, "controller.json")) as f:
             st = json.load(f)
         self.step, self.batches_made = st["step"], st["batches_made"]
         # the metrics' fault counters go on from the checkpoint's (older checkpoints: from 0)
-        self.skipped_batches = st.get("skipped_batches", 0)
-        self.checkpoint_failures = st.get("checkpoint_failures", 0)
+        self.skipped_batches, self.checkpoint_failures = st.get("skipped_batches", 0), st.get("checkpoint_failures", 0)
         self.restarts.update(st.get("restarts", {}))
         self.source.load_state_dict(st["source"])
         held = torch.load(os.path.join(path, "buffer.pt"), weights_only=False)["episodes"]
@@ -262,8 +230,7 @@ class Controller:
         return self.cfg.fault.call_timeout_s + self.cfg.fault.timeout_per_token_s * tokens
 
     def _count_restart(self, name: str, error: BaseException) -> None:
-        f = self.cfg.fault
-        now = time.monotonic()
+        f, now = self.cfg.fault, time.monotonic()
         recent = [t for t in self.restart_times.get(name, []) if now - t < f.restart_window_s]
         if len(recent) >= f.max_restarts:
             raise ActorFailed(f"actor '{name}' failed {len(recent) + 1} times within {f.restart_window_s:g} s "
@@ -287,8 +254,7 @@ class Controller:
         """Respawn the reward, the reference or generator replica ``failed`` and restore its state
         (see the module docstring); nothing when it was already replaced since. Raises ActorFailed
         when its restarts are used up."""
-        name = failed.name
-        generator = name.startswith("generator")
+        name, generator = failed.name, failed.name.startswith("generator")
         async with self.sync_lock if generator else contextlib.nullcontext():
             if self._current(name) is not failed:
                 return  # the weight sync already respawned it
@@ -324,15 +290,6 @@ class Controller:
     def _eligible(self, k: int) -> list[int]:
         return [i for i, v in enumerate(self.versions) if v >= k - self.cfg.max_staleness]
 
-    async def rollout_loop(self) -> None:
-        """Produce rollout batches until cancelled (see the module docstring). A failure is
-        handed to the training loop (``rollout_error``), which raises it."""
-        try:
-            await self._rollouts()
-        except Exception as e:
-            await self._set(rollout_error=e)
-            raise
-
     async def _generate(self, problems: list, k: int, replicas: list[int]) -> tuple[list[Episode], dict]:
         """Generate batch ``k`` over ``replicas`` (whole groups each); episodes in problem order."""
         cfg, G = self.cfg, self.cfg.generator.group_size
@@ -358,34 +315,39 @@ class Controller:
         tokens = sum(st["gen_tokens"] for _, st in got)
         return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
 
-    async def _rollouts(self) -> None:
-        """Generate batch k, then finish it (reward, reference, advantages, buffer) in a task while
-        batch k+1 generates: the reference's forward is hidden behind the next generation. One batch
-        is finished at a time, in order, so the buffer sees the same batches in the same order."""
-        cfg = self.cfg
+    async def rollout_loop(self) -> None:
+        """Produce rollout batches until cancelled (see the module docstring): generate batch k,
+        then finish it (reward, reference, advantages, buffer) in a task while batch k+1 generates,
+        so the reference's forward is hidden behind the next generation. One batch is finished at a
+        time, in order, so the buffer sees the same batches in the same order. A failure is handed
+        to the training loop (``rollout_error``), which raises it."""
         finishing: Optional[asyncio.Task] = None
         try:
-            while True:
-                async with self.changed:
-                    await self.changed.wait_for(
-                        lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
-                        and not self.loading)  # else the first replica to load the new version takes every group
-                    self.rollouts_in_flight += 1
-                    problems = self.source.next_batch(cfg.prompts_per_step)
-                    k = self.batches_made
-                    self.batches_made += 1
-                    replicas = self._eligible(k)
-                try:
-                    episodes, gen = await self._generate(problems, k, replicas)
-                    if finishing is not None:
-                        await finishing
-                except BaseException:
-                    await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
-                    raise
-                finishing = asyncio.create_task(self._finish(episodes, gen))
-        finally:
-            if finishing is not None and not finishing.done():
-                finishing.cancel()
+            try:
+                while True:
+                    async with self.changed:
+                        await self.changed.wait_for(
+                            lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
+                            and not self.loading)  # else the first replica to load the new version takes every group
+                        self.rollouts_in_flight += 1
+                        problems = self.source.next_batch(self.cfg.prompts_per_step)
+                        k = self.batches_made
+                        self.batches_made += 1
+                        replicas = self._eligible(k)
+                    try:
+                        episodes, gen = await self._generate(problems, k, replicas)
+                        if finishing is not None:
+                            await finishing
+                    except BaseException:
+                        await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
+                        raise
+                    finishing = asyncio.create_task(self._finish(episodes, gen))
+            finally:
+                if finishing is not None and not finishing.done():
+                    finishing.cancel()
+        except Exception as e:
+            await self._set(rollout_error=e)
+            raise
 
     async def _finish(self, episodes: list[Episode], gen: dict) -> None:
         """Reward, reference logprobs and group advantages of one generated batch, then into the
@@ -501,12 +463,8 @@ class Controller:
 
     # ---- the run -----------------------------------------------------------------------------
     async def run(self) -> dict:
-        """Run the recipe to ``cfg.steps``; returns the last step's metrics.
-
-        Raises:
-            ActorFailed: an actor call failed (the message names the actor); checkpoints and the
-                metrics file written so far stay intact.
-        """
+        """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
+        actor call fails (the message names the actor); checkpoints and metrics written so far stay intact."""
         cfg = self.cfg
         os.makedirs(self.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
@@ -621,7 +579,6 @@ class Controller:
             final = os.path.join(self.out_dir, "final")
             await call("trainer", s.trainer.save, final, False)
             from forge_core.models import load_tokenizer
-
             load_tokenizer(cfg.model).save_pretrained(final)
             plot_rewards(mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
         finally:
@@ -635,11 +592,8 @@ class Controller:
 
     def _skip(self, tm: dict) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm): the batch is dropped and
-        counted, the step is taken again with the next batch.
-
-        Raises:
-            RunFailed: ``fault.max_bad_steps`` skips in a row.
-        """
+        counted, the step is taken again with the next batch. Raises RunFailed at
+        ``fault.max_bad_steps`` skips in a row."""
         self.skipped_batches += 1
         self.bad_in_a_row += 1
         checkpoint.warn(f"step {self.step + 1}: non-finite loss ({tm.get('loss')}) or gradient norm "

@@ -31,16 +31,10 @@ class DataError(ValueError):
 
 @dataclass
 class DataConfig:
-    """Where prompts come from.
-
-    Attributes:
-        dir: local directory with ``train.jsonl``/``test.jsonl``; ``None`` means the HF hub.
-            Defaults to ``$GSM8K_DIR`` when that is set.
-        hub_id: HF hub dataset id used when ``dir`` is ``None``.
-        split: the training split.
-        system_prompt: the system message of every chat prompt.
-        seed: shuffling seed of the prompt order (one permutation per epoch).
-    """
+    """Where prompts come from: ``dir``, a local directory with ``train.jsonl``/``test.jsonl``
+    (default ``$GSM8K_DIR``; ``None``: the HF hub dataset ``hub_id``); ``split``, the training split;
+    ``system_prompt``, the system message of every chat prompt; ``seed``, the shuffling seed of the
+    prompt order (one permutation per epoch)."""
 
     dir: Optional[str] = "${oc.env:GSM8K_DIR,null}"
     hub_id: str = "openai/gsm8k"
@@ -59,11 +53,8 @@ class Problem:
 
 
 def parse_row(row: Any, where: str) -> Problem:
-    """A :class:`Problem` from one GSM8K row (dict with ``question`` and ``answer``).
-
-    Raises:
-        DataError: naming ``where`` (``file:line``) if the row is malformed.
-    """
+    """A :class:`Problem` from one GSM8K row (dict with ``question`` and ``answer``). Raises
+    DataError naming ``where`` (``file:line``) if the row is malformed."""
     if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
         raise DataError(f"{where}: expected an object with string fields 'question' and 'answer'")
     if "####" not in row["answer"]:
@@ -75,11 +66,8 @@ def parse_row(row: Any, where: str) -> Problem:
 
 
 def load_jsonl(path: str) -> list[Problem]:
-    """All problems in a GSM8K JSONL file.
-
-    Raises:
-        DataError: if the file is missing, or a line is not valid JSON or not a valid row.
-    """
+    """All problems in a GSM8K JSONL file. Raises DataError if the file is missing, or a line is not
+    valid JSON or not a valid row."""
     if not os.path.isfile(path):
         raise DataError(f"GSM8K file not found: {path} (set data.dir or GSM8K_DIR to a directory "
                         f"holding train.jsonl and test.jsonl)")
@@ -89,27 +77,22 @@ def load_jsonl(path: str) -> list[Problem]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                out.append(parse_row(json.loads(line), f"{path}:{i}"))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            out.append(parse_row(row, f"{path}:{i}"))
     if not out:
         raise DataError(f"{path}: no rows")
     return out
 
 
 def load_gsm8k(split: str, dir: Optional[str] = None, hub_id: str = "openai/gsm8k") -> list[Problem]:
-    """GSM8K ``split`` ("train" or "test") from ``dir`` if given, else from the HF hub.
-
-    Raises:
-        DataError: missing/malformed local file, or the hub cannot be reached (the message says
-            how to point at a local copy).
-    """
+    """GSM8K ``split`` ("train" or "test") from ``dir`` if given, else from the HF hub. Raises
+    DataError for a missing/malformed local file, or when the hub cannot be reached (the message
+    says how to point at a local copy)."""
     if dir:
         return load_jsonl(os.path.join(dir, f"{split}.jsonl"))
     try:
         import datasets
-
         ds = datasets.load_dataset(hub_id, "main", split=split)
     except Exception as e:  # offline, DNS failure, gated, ...
         raise DataError(
@@ -120,33 +103,22 @@ def load_gsm8k(split: str, dir: Optional[str] = None, hub_id: str = "openai/gsm8
 
 
 class PromptSource:
-    """Endless, seeded stream of training problems: a fresh permutation each epoch.
-
-    Its position (``epoch``, ``index``) is part of every checkpoint, so a resumed run sees exactly
-    the batch the uninterrupted run would have seen next.
-    """
+    """Endless, seeded stream of training problems: a fresh permutation each epoch. Its position
+    (``epoch``, ``index``) is part of every checkpoint, so a resumed run sees exactly the batch the
+    uninterrupted run would have seen next."""
 
     def __init__(self, problems: list[Problem], seed: int = 0):
         if not problems:
             raise DataError("the prompt source is empty")
         self.problems = problems
-        self.seed = seed
-        self.epoch = 0
-        self.index = 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        self.load_state_dict({"seed": seed, "epoch": 0, "index": 0})
 
     def next_batch(self, n: int) -> list[Problem]:
         """The next ``n`` problems, wrapping into a new epoch (new permutation) when needed."""
         out = []
         while len(out) < n:
             if self.index == len(self._order):
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
+                self.load_state_dict({"seed": self.seed, "epoch": self.epoch + 1, "index": 0})
             out.append(self.problems[self._order[self.index]])
             self.index += 1
         return out
@@ -158,7 +130,8 @@ class PromptSource:
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by :meth:`state_dict`."""
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
-        self._order = self._permutation(self.epoch)
+        self._order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
 
 
 def chat_prompt(tokenizer: Any, question: str, system_prompt: str) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any, Optional
 
-import torch
+from tqdm import tqdm
 
 from forge_core.actors.generator import hf_generate
 from forge_core.data import chat_prompt, load_gsm8k
@@ -14,63 +15,43 @@ from forge_core.models import load_model, load_tokenizer
 from forge_core.rewards import extract_answer
 
 
-def eval_subset(n: int, seed: int, dir: Optional[str], hub_id: str) -> list:
-    """The fixed subset: ``n`` test problems drawn with ``random.Random(seed)``, in file order."""
-    test = load_gsm8k("test", dir, hub_id)
-    idx = sorted(random.Random(seed).sample(range(len(test)), min(n, len(test))))
-    return [test[i] for i in idx]
-
-
 def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dict:
-    """Greedy-decode the subset and score it.
-
-    Args:
-        cfg: the resolved run config (model, data, eval, generator.max_prompt_tokens).
-        ckpt: an HF-format checkpoint directory (e.g. ``runs/<recipe>/<run>/final``); ``None``
-            evaluates the recipe's base model.
-    Returns:
-        ``{"accuracy_strict", "accuracy_flexible", "format_rate", "n", "seconds", "model"}``.
-    Raises:
-        FileNotFoundError: if ``ckpt`` is given but holds no ``config.json``.
-    """
-    import os
-
+    """Greedy-decode a fixed subset (``eval.num_questions`` test problems drawn with
+    ``random.Random(eval.seed)``, in file order) with ``cfg``'s model, data, eval and
+    generator.max_prompt_tokens, and score it.
+    ``ckpt``: an HF-format checkpoint directory (e.g. ``runs/<recipe>/<run>/final``); ``None``
+    evaluates the recipe's base model. Returns ``{"accuracy_strict", "accuracy_flexible",
+    "format_rate", "n", "seconds", "model"}``. Raises FileNotFoundError if ``ckpt`` is given but holds
+    no ``config.json``."""
     from forge_core.actors import resolve_dtype
     from forge_core.models import gqa_sdpa, hf_config_dict
-
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
             raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
         from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=gqa_sdpa()).eval()
     else:
         model = load_model(cfg.model, dtype=dtype)
     tok = load_tokenizer(cfg.model)
-    problems = eval_subset(cfg.eval.num_questions, cfg.eval.seed, cfg.data.dir, cfg.data.hub_id)
+    test = load_gsm8k("test", cfg.data.dir, cfg.data.hub_id)
+    idx = random.Random(cfg.eval.seed).sample(range(len(test)), min(cfg.eval.num_questions, len(test)))
+    problems = [test[i] for i in sorted(idx)]
     strict = flexible = fmt = 0
     t0 = time.perf_counter()
-    bs = cfg.eval.batch_size
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(problems), desc="eval (greedy)", unit="q")
-    for i in range(0, len(problems), bs):
-        chunk = problems[i:i + bs]
-        texts = [chat_prompt(tok, p.question, cfg.data.system_prompt) for p in chunk]
-        outs = hf_generate(model, tok, texts, 1, cfg.eval.max_response_tokens, cfg.generator.max_prompt_tokens, greedy=True)
-        for p, o in zip(chunk, outs):
-            s = extract_answer(o["text"], "strict")
-            strict += s == p.answer
-            fmt += s is not None
-            flexible += extract_answer(o["text"], "flexible") == p.answer
-        if bar is not None:
+    with tqdm(total=len(problems), desc="eval (greedy)", unit="q", disable=not progress) as bar:
+        for i in range(0, len(problems), cfg.eval.batch_size):
+            chunk = problems[i:i + cfg.eval.batch_size]
+            texts = [chat_prompt(tok, p.question, cfg.data.system_prompt) for p in chunk]
+            outs = hf_generate(model, tok, texts, 1, cfg.eval.max_response_tokens, cfg.generator.max_prompt_tokens,
+                               greedy=True)
+            for p, o in zip(chunk, outs):
+                s = extract_answer(o["text"], "strict")
+                strict += s == p.answer
+                fmt += s is not None
+                flexible += extract_answer(o["text"], "flexible") == p.answer
             bar.update(len(chunk))
             bar.set_postfix(strict=f"{strict / (i + len(chunk)):.3f}", flexible=f"{flexible / (i + len(chunk)):.3f}")
-    if bar is not None:
-        bar.close()
     n = len(problems)
     return {"model": ckpt or cfg.model.name, "n": n, "accuracy_strict": strict / n, "accuracy_flexible": flexible / n,
             "format_rate": fmt / n, "seconds": time.perf_counter() - t0}

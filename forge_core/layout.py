@@ -16,6 +16,7 @@ generator is then *colocated* with the trainer and sleeps while it trains.
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -51,51 +52,38 @@ class Plan:
     gpus_per_node: int = 0
 
 
-def generator_hosts(layout: Any) -> list[int]:
-    """Node of each generator replica: ``replicas`` in contiguous blocks over ``hosts`` (or ``host``)."""
-    hosts = list(layout.generator.hosts) or [int(layout.generator.host)]
-    n = int(layout.generator.replicas)
-    per = -(-n // len(hosts))
-    return [int(hosts[i // per]) for i in range(n)]
-
-
 def plan_layout(cfg: Any, heads: Optional[int] = None) -> Plan:
-    """Place every service of ``cfg`` (see the module docstring).
-
-    Args:
-        cfg: the run config (``device``, ``layout``, ``trainer.tp``).
-        heads: the model's attention heads, to check that ``layout.generator.tp`` divides them.
-    Raises:
-        LayoutError: naming the key: a host outside ``layout.nodes``, a node asked for more GPUs
-            than it has, ``replicas``/``tp`` < 1, ``tp`` not dividing the heads, more than one
-            replica or TP > 1 on a one-GPU node, ``trainer.tp`` not dividing the trainer's GPUs.
-    """
-    L = cfg.layout
-    g = L.generator
+    """Place every service of ``cfg`` (``device``, ``layout``, ``trainer.tp``; see the module
+    docstring); ``heads``: the model's attention heads, which ``layout.generator.tp`` must divide.
+    Raises LayoutError naming the key: a host outside ``layout.nodes``, a node asked for more GPUs
+    than it has, ``replicas``/``tp`` < 1, ``tp`` not dividing the heads, more than one replica or
+    TP > 1 on a one-GPU node, ``trainer.tp`` not dividing the trainer's GPUs."""
+    L, g, t, r = cfg.layout, cfg.layout.generator, cfg.layout.trainer, cfg.layout.reference
     if int(g.replicas) < 1 or int(g.tp) < 1:
         raise LayoutError(f"layout.generator.replicas={g.replicas} and layout.generator.tp={g.tp} must be >= 1")
     gkey = "layout.generator.hosts" if list(g.hosts) else "layout.generator.host"
-    for key, host in [(gkey, h) for h in generator_hosts(L)] + [
-            ("layout.trainer.host", L.trainer.host), ("layout.reference.host", L.reference.host)]:
+    hosts = list(g.hosts) or [int(g.host)]
+    per = -(-int(g.replicas) // len(hosts))  # replicas per host, in contiguous blocks
+    ghosts = [int(hosts[i // per]) for i in range(int(g.replicas))]  # the node of each replica
+    for key, host in [(gkey, h) for h in ghosts] + [("layout.trainer.host", t.host), ("layout.reference.host", r.host)]:
         if not 0 <= int(host) < int(L.nodes):
             raise LayoutError(f"{key}: node {host} is outside layout.nodes={L.nodes}")
     if heads and heads % int(g.tp):
         raise LayoutError(f"layout.generator.tp={g.tp} must divide the model's {heads} attention heads")
     if cfg.device != "cuda":
-        return Plan([Slot(h) for h in generator_hosts(L)], Slot(int(L.trainer.host)), Slot(int(L.reference.host)))
+        return Plan([Slot(h) for h in ghosts], Slot(int(t.host)), Slot(int(r.host)))
     n = int(L.gpus_per_node)
     used: dict[int, int] = {}
+    shared_ref = int(r.gpus) == 0 and r.host == t.host  # the reference sharded over the trainer's GPUs
     if n > 1:  # every node's whole demand first, so the message names each key that asks for GPUs there
-        t, r = L.trainer, L.reference
-        asks: dict[int, list] = {}
-        ghosts = generator_hosts(L)
+        asks: dict[int, list] = collections.defaultdict(list)
         for h in sorted(set(ghosts)):
             k = ghosts.count(h)
-            asks.setdefault(h, []).append((k * int(g.tp), f"layout.generator.replicas x layout.generator.tp = "
-                                                          f"{k} x {g.tp}" + (" on this node" if k < int(g.replicas) else "")))
-        asks.setdefault(int(t.host), []).append((max(int(t.gpus), 1), f"layout.trainer.gpus={t.gpus}"))
-        if not (int(r.gpus) == 0 and r.host == t.host):
-            asks.setdefault(int(r.host), []).append((max(int(r.gpus), 1), f"layout.reference.gpus={r.gpus}"))
+            asks[h].append((k * int(g.tp), f"layout.generator.replicas x layout.generator.tp = {k} x {g.tp}"
+                                           + (" on this node" if k < int(g.replicas) else "")))
+        asks[int(t.host)].append((max(int(t.gpus), 1), f"layout.trainer.gpus={t.gpus}"))
+        if not shared_ref:
+            asks[int(r.host)].append((max(int(r.gpus), 1), f"layout.reference.gpus={r.gpus}"))
         for h, a in sorted(asks.items()):
             if sum(k for k, _ in a) > n:
                 raise LayoutError(f"layout: node {h} has {n} GPUs (layout.gpus_per_node={n}) but the services placed "
@@ -113,23 +101,20 @@ def plan_layout(cfg: Any, heads: Optional[int] = None) -> Plan:
         used[host] = start + k
         return list(range(start, start + k))
 
-    gens = [Slot(h, take(h, int(g.tp), "layout.generator.tp")) for h in generator_hosts(L)]
+    gens = [Slot(h, take(h, int(g.tp), "layout.generator.tp")) for h in ghosts]
     if n <= 1 and len(set(s.host for s in gens)) < len(gens):
         raise LayoutError(f"layout.generator.replicas={g.replicas}: one GPU per node holds one replica per node")
-    t = L.trainer
     trainer = Slot(int(t.host), take(int(t.host), max(int(t.gpus), 1), "layout.trainer.gpus"))
     if int(cfg.trainer.tp) < 1 or trainer.ranks % int(cfg.trainer.tp):
         raise LayoutError(f"trainer.tp={cfg.trainer.tp} must be >= 1 and divide layout.trainer.gpus={t.gpus}")
-    r = L.reference
-    if int(r.gpus) == 0 and r.host == t.host:
-        reference = Slot(int(r.host), list(trainer.gpus))
-    else:
-        reference = Slot(int(r.host), take(int(r.host), max(int(r.gpus), 1), "layout.reference.gpus"))
+    reference = Slot(int(r.host), list(trainer.gpus) if shared_ref else
+                     take(int(r.host), max(int(r.gpus), 1), "layout.reference.gpus"))
     colocated = any(s.host == trainer.host and set(s.gpus) & set(trainer.gpus) for s in gens)
     return Plan(gens, trainer, reference, colocated, max(n, 1))
 
 
-def visible_devices(own: list, per_node: int = 0, only_own: bool = False, inherited: Optional[str] = None) -> str:
+def visible_devices(own: list, per_node: int = 0, only_own: bool = False,
+                    inherited: Optional[str] = None) -> str:
     """``CUDA_VISIBLE_DEVICES`` for a process using node GPUs ``own``: those first (in order), then
     the node's other GPUs (``per_node`` of them in all; none with ``only_own``), so ``cuda:0`` is the
     process's own GPU and CUDA IPC from the node's other GPUs still works. GPU indices are positions

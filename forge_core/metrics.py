@@ -9,15 +9,11 @@ from typing import Any, Optional
 
 class MetricsLog:
     """Appends one JSON object per training step to ``path`` (flushed and fsynced per line, so a
-    killed run keeps every finished step) and mirrors it to wandb when enabled.
-
-    Args:
-        path: the JSONL file; an existing file is kept and appended to (resume), after dropping
-            lines for steps ``>= start_step`` so a resumed run has no duplicates.
-        wandb_cfg: ``{"project", "mode"}``; mode ``disabled`` (default) skips wandb entirely.
-        run_name: wandb run name / id (resumes the same wandb run).
-        config: the resolved config, stored with the wandb run.
-    """
+    killed run keeps every finished step) and mirrors it to wandb when enabled. An existing file is
+    kept and appended to (resume), after dropping lines for steps ``>= start_step`` so a resumed run
+    has no duplicates. ``wandb_cfg``: ``{"project", "mode"}``, mode ``disabled`` (default) skips
+    wandb entirely; ``run_name``: the wandb run name / id (resumes the same wandb run); ``config``:
+    the resolved config, stored with the wandb run."""
 
     def __init__(self, path: str, start_step: int = 0, wandb_cfg: Optional[Any] = None,
                  run_name: str = "", config: Optional[dict] = None):
@@ -33,7 +29,6 @@ class MetricsLog:
         self.wandb = None
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
             import wandb
-
             self.wandb = wandb.init(project=wandb_cfg.project, mode=wandb_cfg.mode, name=run_name, id=run_name or None,
                                     resume="allow", config=config)
 
@@ -67,24 +62,18 @@ def read_jsonl(path: str) -> list[dict]:
 def plot_rewards(metrics_path: str, png_path: str, title: str = "") -> str:
     """Plot reward mean (with std band) and accuracy per step from the JSONL file into a PNG."""
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_jsonl(metrics_path)
-    steps = [r["step"] for r in rows]
-    mean = [r["reward_mean"] for r in rows]
-    std = [r["reward_std"] for r in rows]
-    acc = [r["accuracy"] for r in rows]
-    fmt = [r.get("format_rate", 0.0) for r in rows]
+    steps, mean, std = [r["step"] for r in rows], [r["reward_mean"] for r in rows], [r["reward_std"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, mean, label="reward mean", color="C0")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color="C0", alpha=0.15)
-    ax.plot(steps, acc, label="accuracy", color="C1")
-    ax.plot(steps, fmt, label="format rate (#### N)", color="C2", linestyle="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("per rollout batch")
-    ax.set_title(title)
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                    color="C0", alpha=0.15)
+    ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy", color="C1")
+    ax.plot(steps, [r.get("format_rate", 0.0) for r in rows], label="format rate (#### N)", color="C2", linestyle="--")
+    ax.set(xlabel="training step", ylabel="per rollout batch", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -2,19 +2,12 @@
 
 Every service is a Monarch proc mesh on one node, one process per rank (one per GPU on CUDA), with
 one actor per process; the generator is one such service per replica. The plan of which node and
-GPUs each gets is :func:`forge_core.layout.plan_layout`; which class plays each role depends on the
-device (:data:`ROLES`)::
-
-    role            cpu                                 cuda
-    generator       actors.generator.Generator (HF)     actors.vllm_generator.VllmGenerator
-    trainer         actors.trainer.Trainer (TorchTitan, FSDP2 over several GPUs)
-    reference       actors.reference.Reference (TorchTitan, FSDP2 over several GPUs)
-    reward          actors.reward.RewardActor
-    replay_buffer   actors.replay_buffer.ReplayBufferActor
-
-Next to each service's actor runs a :class:`~forge_core.actors.placement.Placement` actor (where the
-process runs, a free port from the OS for ``torch.distributed``), and next to each generator replica
-a :class:`~forge_core.actors.weight_receiver.WeightReceiver` (network weight transfers while it
+GPUs each gets is :func:`forge_core.layout.plan_layout`; the class playing each role on each device
+is in :data:`ROLES` (the generator: HF on CPU, vLLM on CUDA; trainer and reference: TorchTitan,
+FSDP2 over several GPUs). Next to each service's actor runs a
+:class:`~forge_core.actors.placement.Placement` actor (where the process runs, a free port from the
+OS for ``torch.distributed``), and next to each generator replica a
+:class:`~forge_core.actors.weight_receiver.WeightReceiver` (network weight transfers while it
 generates). Actors get their own config section plus named fields, never the whole config.
 """
 
@@ -57,11 +50,7 @@ class ActorFailed(RunFailed):
 
 async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[float] = None) -> Any:
     """``await endpoint.call_one(*args)``, turning any failure (and a missed ``timeout_s`` deadline,
-    in seconds) into :class:`ActorFailed` naming the actor.
-
-    Raises:
-        ActorFailed: naming the actor and, for a deadline, the seconds waited.
-    """
+    in seconds) into :class:`ActorFailed` naming the actor (and, for a deadline, the seconds waited)."""
     try:
         return await asyncio.wait_for(endpoint.call_one(*args), timeout=timeout_s)
     except asyncio.TimeoutError:
@@ -120,7 +109,6 @@ class Service:
         only let the stop run into its timeout. Shared-memory weight buffers the processes of this
         host left in /dev/shm are removed (a process killed or stopped never removes its own)."""
         from forge_core.weight_sync import remove_shm_buffers
-
         local = [w["pid"] for w in self.where if w["hostname"] == socket.gethostname()]
         if kill:
             for pid in local:
@@ -134,16 +122,10 @@ class Service:
 
 @dataclass
 class Services:
-    """Every service of a run, and the fault-hook state (no module globals).
+    """Every service of a run, and the fault-hook state (no module globals): ``plan`` is the placement
+    they were spawned from, ``faults`` Monarch's reports of unhandled actor failures seen while running."""
 
-    Attributes:
-        generators: one :class:`Service` per generator replica.
-        reward, reference, trainer, buffer: the other services.
-        plan: the placement they were spawned from.
-        faults: Monarch's reports of unhandled actor failures seen while running.
-    """
-
-    generators: list
+    generators: list  # one Service per generator replica
     reward: Service
     reference: Service
     trainer: Service
@@ -181,11 +163,8 @@ class Services:
     async def respawn(self, name: str) -> Service:
         """Replace the service ``name`` (``generator[_i]``, ``reward`` or ``reference``) with a new
         one on the same node and GPUs: the old processes are stopped (killed if they hang).
-        Returns the new service, already in place; its weights are the caller's business.
-
-        Raises:
-            ActorFailed: the new actor's constructor failed.
-        """
+        Returns the new service, already in place; its weights are the caller's business. Raises
+        ActorFailed when the new actor's constructor fails."""
         old = next(s for s in self.all() if s.name == name)
         await old.stop(10, kill=True)
         role = "generator" if name.startswith("generator") else name
@@ -202,12 +181,6 @@ class Services:
         for s in self.all():
             await s.stop(timeout_s)
         shutil.rmtree(cores_dir(), ignore_errors=True)
-
-
-def actor_class(role: str, device: str) -> type:
-    """The class playing ``role`` on ``device`` (:data:`ROLES`; imported on demand: vLLM only on GPUs)."""
-    mod, cls = ROLES[role][device == "cuda"].split(":")
-    return getattr(importlib.import_module(mod), cls)
 
 
 def _section(cfg: DictConfig, key: str) -> dict:
@@ -257,7 +230,6 @@ def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
     gb = 2.0 if plan.colocated else 0.0
     if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus):
         from forge_core import titan
-
         n = sum(k for *_, k in titan.hf_layout(titan.titan_model_args(cfg.model.name)))
         gb += 2 * n / plan.reference.ranks / 1e9
     return gb
@@ -267,15 +239,10 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
                         name: str = "") -> Service:
     """Spawn ``role`` on ``slot`` (one process per GPU; a generator replica is one process whatever
     its GPUs, as vLLM starts its own TP workers) with a Placement actor beside each process; a
-    generator replica also gets its WeightReceiver. Waits until the actor is constructed.
-
-    Raises:
-        ActorFailed: the actor's constructor failed (the message names it).
-    """
+    generator replica also gets its WeightReceiver. Waits until the actor is constructed. Raises
+    ActorFailed when the actor's constructor fails (the message names it)."""
     from monarch.actor import this_host
-
     from forge_core.actors.placement import Placement
-
     name = name or role
     host = this_host() if hosts is None else hosts.slice(hosts=slot.host)  # one node, or node slot.host of hosts
     ranks = 1 if role == "generator" else slot.ranks
@@ -283,7 +250,8 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     placement = procs.spawn(f"placement_{name}", Placement)
     where = await _Endpoint(placement.where, ranks).call_all()
     addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
-    actor = procs.spawn(name, actor_class(role, cfg.device),
+    mod, cls = ROLES[role][cfg.device == "cuda"].split(":")  # imported on demand: vLLM only on GPUs
+    actor = procs.spawn(name, getattr(importlib.import_module(mod), cls),
                         **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name))
     svc = Service(name, slot, procs, actor, where)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
@@ -294,7 +262,6 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
             raise
     if role == "generator":
         from forge_core.actors.weight_receiver import WeightReceiver
-
         svc.receiver = procs.spawn(f"receiver_{name}", WeightReceiver, name, cfg.device, _section(cfg, "weight_sync"))
     return svc
 
@@ -303,10 +270,7 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     """Spawn every service of ``cfg`` where its layout places it (see the module docstring).
     Colocated with the trainer, the generator starts first, so vLLM sizes its KV cache before the
     others allocate. ``hosts``: a multi-host ``HostMesh`` (node-rank order) or None for this host.
-
-    Raises:
-        ActorFailed: an actor's constructor failed; the services already started are stopped.
-    """
+    Raises ActorFailed when an actor's constructor fails; the services already started are stopped."""
     plan = plan_layout(cfg)
     started: list[Service] = []
 
@@ -330,6 +294,5 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     svc = Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
                    hosts=hosts)
     import monarch.actor
-
     monarch.actor.unhandled_fault_hook = svc.on_fault
     return svc
