@@ -45,7 +45,9 @@ class GeneratorConfig:
     finds faster: bf16 only with hardware support such as AVX-512 BF16 or AMX), what the trainer's
     fp32 master weights are cast to when published; ``max_num_seqs``: vLLM's cap on sequences
     decoded at once (per replica); ``sleep_level``: vLLM sleep level between generations when
-    colocated with the trainer (1: weights to host memory, KV cache freed; 2: both freed)."""
+    colocated with the trainer (1: weights to host memory, KV cache freed; 2: both freed; 0: never
+    sleep: the engine keeps ``gpu_memory_utilization`` of the GPU, so generation can overlap training
+    on the shared GPU and ``max_staleness`` may be 1, best under CUDA MPS)."""
 
     backend: str = "hf"
     group_size: int = 4
@@ -229,7 +231,7 @@ def _check(cfg: DictConfig, where: str) -> None:
     dtypes = ("bfloat16", "float32", "auto")
     choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
                "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
-               "generator.sleep_level": (1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma")}
+               "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma")}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
         if v not in allowed:
@@ -258,9 +260,10 @@ def _check(cfg: DictConfig, where: str) -> None:
         plan = plan_layout(cfg, hf_config_dict(cfg.model.name).get("num_attention_heads"))
     except (LayoutError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    if plan.colocated and cfg.max_staleness != 0:
+    if plan.colocated and cfg.max_staleness != 0 and cfg.generator.sleep_level != 0:
         raise ConfigError(f"{where}: one GPU per node (colocated trainer and generator) needs max_staleness=0: "
-                          f"the generator sleeps while the trainer uses the GPU, so the loops must alternate")
+                          f"the generator sleeps while the trainer uses the GPU, so the loops must alternate "
+                          f"(generator.sleep_level=0 keeps the engine awake and lets them overlap)")
     hosts = {s.host for s in plan.generators}
     if cfg.weight_sync.transport == "ipc" and hosts != {plan.trainer.host}:
         raise ConfigError(f"{where}: weight_sync.transport=ipc needs every generator replica on the trainer's node "

@@ -209,7 +209,9 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
     if role == "trainer":
         return dict(kw, trainer=_section(cfg, "trainer"), loss=_section(cfg, "loss"), publish_dtype=cfg.generator.dtype,
                     max_response_tokens=cfg.generator.max_response_tokens, addr=addr,
-                    weight_sync=_section(cfg, "weight_sync"), shared_gb=_shared_gb(cfg, plan))
+                    weight_sync=_section(cfg, "weight_sync"), shared_gb=_shared_gb(cfg, plan),
+                    shared_frac=cfg.generator.gpu_memory_utilization if plan.colocated and not cfg.generator.sleep_level
+                    else 0.0)
     t = cfg.trainer  # the reference
     return dict(kw, dtype=cfg.generator.dtype, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
                 tokens_per_micro_batch=t.tokens_per_micro_batch, logprob_chunk=t.logprob_chunk, compile=t.compile)
@@ -224,10 +226,11 @@ def cores_dir() -> str:
 
 def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
     """GB that others hold on a trainer GPU: a reference sharded over the trainer's GPUs (its
-    weights' share), and a colocated engine asleep (about 2 GB it keeps)."""
+    weights' share), and a colocated engine asleep (about 2 GB it keeps; an engine that never
+    sleeps is the trainer's ``shared_frac``)."""
     if cfg.device != "cuda":
         return 0.0
-    gb = 2.0 if plan.colocated else 0.0
+    gb = 2.0 if plan.colocated and cfg.generator.sleep_level else 0.0
     if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus):
         from forge_core import titan
         n = sum(k for *_, k in titan.hf_layout(titan.titan_model_args(cfg.model.name)))

@@ -21,6 +21,17 @@ def test_gpu_config_validation():
         load_config("qwen3_8b", ["trainer.tp=3"])
     with pytest.raises(ConfigError, match="max_staleness=0"):
         load_config("qwen3_1_7b", ["layout.gpus_per_node=1"])
+    with pytest.raises(ConfigError, match="generator.sleep_level=3"):
+        load_config("qwen3_1_7b", ["generator.sleep_level=3"])
+    awake = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "generator.sleep_level=0",  # overlap on one GPU
+                                       "generator.gpu_memory_utilization=0.3"])
+    plan = plan_layout(awake)
+    assert plan.colocated and awake.max_staleness == 1
+    from forge_core.services import actor_kwargs  # the trainer's memory estimate counts the awake engine's share
+
+    assert actor_kwargs(awake, "trainer", plan.trainer, plan)["shared_frac"] == 0.3
+    asleep = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0"])
+    assert actor_kwargs(asleep, "trainer", plan_layout(asleep).trainer, plan_layout(asleep))["shared_frac"] == 0.0
     with pytest.raises(ConfigError, match="node 0 has 3 GPUs"):
         load_config("qwen3_1_7b", ["layout.trainer.gpus=2"])
     cfg = load_config("qwen3_1_7b", ["model.init=random"])

@@ -119,6 +119,8 @@ class Trainer(Actor):
         weight_sync: the ``weight_sync`` config section (bucket size, timeout).
         shared_gb: GPU memory (GB) others hold on this rank's GPU (a reference sharing it, a
             sleeping colocated engine), for the activation-checkpointing estimate.
+        shared_frac: fraction of this GPU's memory a colocated engine that never sleeps keeps
+            (its ``gpu_memory_utilization``), for the same estimate.
         cores_dir: with ``threads`` 0, the directory through which the run's CPU actors of this
             host share its cores (:class:`forge_core.actors.CoreShare`).
     """
@@ -126,7 +128,7 @@ class Trainer(Actor):
     def __init__(self, trainer: dict, model: dict, loss: dict, *, device: str, publish_dtype: str, temperature: float,
                  max_response_tokens: int, seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0,
                  port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0,
-                 cores_dir: str = ""):
+                 shared_frac: float = 0.0, cores_dir: str = ""):
         self.t = OmegaConf.create(trainer)
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "trainer", threads)
@@ -137,7 +139,7 @@ class Trainer(Actor):
         self.model_name = model["name"]
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
         self.budget = int(self.t.tokens_per_micro_batch)
-        self.ac = self._activation_checkpointing(seq_len, shared_gb)
+        self.ac = self._activation_checkpointing(seq_len, shared_gb, shared_frac)
         par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
         self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0)
@@ -166,16 +168,17 @@ class Trainer(Actor):
         self.autocast = self.compute == torch.bfloat16 and self.world == 1
         self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
 
-    def _activation_checkpointing(self, seq_len: int, shared_gb: float) -> bool:
+    def _activation_checkpointing(self, seq_len: int, shared_gb: float, shared_frac: float = 0.0) -> bool:
         """``trainer.activation_checkpointing``, or when unset: on iff the memory estimate without it
-        (:func:`forge_core.titan.train_memory_gb`) exceeds 85% of this GPU minus ``shared_gb``."""
+        (:func:`forge_core.titan.train_memory_gb`) exceeds 85% (less ``shared_frac``) of this GPU
+        minus ``shared_gb``."""
         if self.t.activation_checkpointing is not None:
             return bool(self.t.activation_checkpointing)
         if self.device.type != "cuda":
             return False
         tokens = self.budget or self.t.micro_batch_size * seq_len
         need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False)
-        have = torch.cuda.get_device_properties(0).total_memory / 1e9 * 0.85 - shared_gb
+        have = torch.cuda.get_device_properties(0).total_memory / 1e9 * (0.85 - shared_frac) - shared_gb
         if self.rank == 0:
             print(f"[forge] trainer: activation checkpointing {'on' if need > have else 'off'} (estimate "
                   f"{need:.0f} GB per GPU without it for {tokens} tokens per micro-batch; {have:.0f} GB usable)",

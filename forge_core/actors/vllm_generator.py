@@ -16,7 +16,8 @@
 - Colocated mode (``layout.gpus_per_node=1``: trainer, reference and generator on one GPU):
   ``enable_sleep_mode``; after each generation the engine sleeps (level 1: weights offloaded to
   host memory, KV cache freed) so the trainer has the memory; an update wakes the weights only;
-  the next generation wakes the KV cache.
+  the next generation wakes the KV cache. ``generator.sleep_level=0``: the engine never sleeps and
+  keeps its share of the GPU, so generation may run while the trainer trains (``max_staleness=1``).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class VllmGenerator(Actor):
         replica: this replica's name (its staged weights are registered under it).
         gpus: physical GPU indices of this node for this engine (TP = their number);
             ``CUDA_VISIBLE_DEVICES`` is set from them before CUDA starts.
-        colocated: share the GPU with the trainer: sleep between generations.
+        colocated: share the GPU with the trainer: sleep between generations (unless
+            ``generator.sleep_level`` is 0).
         per_node: GPUs on this node (the others stay visible, after the engine's own).
         bucket_mb: peer-GPU copy unit of weight updates (``weight_sync.bucket_mb``).
     """
@@ -198,7 +200,7 @@ class VllmGenerator(Actor):
         self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
                        load_format="dummy", dtype=self.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
                        max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
-                       seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated,
+                       seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated and g.sleep_level > 0,
                        max_num_seqs=g.max_num_seqs)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
@@ -219,7 +221,7 @@ class VllmGenerator(Actor):
         return time.perf_counter() - t0
 
     def _sleep(self) -> float:
-        if not self.colocated or not self.awake:
+        if not self.colocated or not self.g.sleep_level or not self.awake:
             return 0.0
         t0 = time.perf_counter()
         self.llm.sleep(level=self.g.sleep_level)
