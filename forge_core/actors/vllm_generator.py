@@ -193,14 +193,14 @@ class VllmGenerator(Actor):
         self.hf = hf_config_dict(self.model_name)
         self.tok = load_tokenizer(ModelConfig(**model))
         self.eos = self.tok.eos_token_id
-        self.colocated = colocated
+        self.colocated, self.sleeps = colocated, colocated and g.sleep_level > 0
         self.max_len = g.max_prompt_tokens + g.max_response_tokens
         t0 = time.perf_counter()
         self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
         self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
                        load_format="dummy", dtype=self.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
                        max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
-                       seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=colocated and g.sleep_level > 0,
+                       seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps,
                        max_num_seqs=g.max_num_seqs)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
@@ -221,7 +221,7 @@ class VllmGenerator(Actor):
         return time.perf_counter() - t0
 
     def _sleep(self) -> float:
-        if not self.colocated or not self.g.sleep_level or not self.awake:
+        if not self.sleeps or not self.awake:
             return 0.0
         t0 = time.perf_counter()
         self.llm.sleep(level=self.g.sleep_level)
