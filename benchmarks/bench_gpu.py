@@ -122,7 +122,8 @@ async def section_gen(cfg, prompts) -> list:
 async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool = True) -> None:
     """Replica scaling (TP=1 replicas, 1..gpus) and RxT layouts, generators only (dummy weights).
     Two kinds of scaling: strong (the same ``prompts`` over k replicas) and fixed work per replica
-    (``len(prompts) // gpus`` prompts per replica, k times as many over k replicas).
+    (the first ``len(prompts) // gpus`` prompts, repeated k times over k replicas: exactly k times
+    the one replica's tokens, whatever the prompts' lengths).
     ``replicas=False``: the RxT layouts only."""
     from omegaconf import OmegaConf
 
@@ -133,7 +134,8 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool =
     per = len(prompts) // gpus
 
     async def measure(replicas: int, tp: int, runs: list, repeats: int = 2) -> list:
-        """``runs``: (replicas used, number of prompts) pairs; the best of ``repeats`` of each."""
+        """``runs``: (replicas used, number of prompts) pairs, a negative number ``-n`` meaning ``n``
+        prompts made of the first ``per`` repeated; the best of ``repeats`` of each."""
         c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": gpus}})
         slots = [Slot(0, list(range(i * tp, (i + 1) * tp))) for i in range(replicas)]
         plan = Plan(slots, Slot(0, [gpus]), Slot(0, [gpus]), False, gpus)  # generators only
@@ -144,7 +146,8 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool =
             best: dict = {}
             for k, n in runs:  # a pair asked twice is measured once
                 if (k, n) not in best:
-                    best[k, n] = max([await gen_rate(gens[:k], prompts[:n], G, R) for _ in range(repeats)])
+                    ps = prompts[:n] if n > 0 else prompts[:per] * (-n // per)
+                    best[k, n] = max([await gen_rate(gens[:k], ps, G, R) for _ in range(repeats)])
             rates = [best[k, n] for k, n in runs]
             if tp > 1:
                 try:
@@ -157,7 +160,7 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool =
                 await g.stop(60)
 
     ks = list(range(1, gpus + 1)) if replicas else []
-    rates = [] if not ks else await measure(gpus, 1, [(k, len(prompts)) for k in ks] + [(k, k * per) for k in ks])
+    rates = [] if not ks else await measure(gpus, 1, [(k, len(prompts)) for k in ks] + [(k, -k * per) for k in ks])
     strong, fixed = rates[:gpus], rates[gpus:]
     for k, (ts, tok) in zip(ks, strong):
         eff = ts / (k * strong[0][0])
