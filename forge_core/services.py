@@ -50,10 +50,13 @@ class ActorFailed(RunFailed):
 
 async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[float] = None) -> Any:
     """``await endpoint.call_one(*args)``, turning any failure (and a missed ``timeout_s`` deadline,
-    in seconds) into :class:`ActorFailed` naming the actor (and, for a deadline, the seconds waited)."""
+    in seconds) into :class:`ActorFailed` naming the actor (and, for a deadline, the seconds waited).
+    A cancellation (Ctrl-C) always propagates: Python 3.11's ``asyncio.wait_for`` returned the
+    answer instead when it arrived in the same loop iteration as the cancel, and the run went on."""
     try:
-        return await asyncio.wait_for(endpoint.call_one(*args), timeout=timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):
+            return await endpoint.call_one(*args)
+    except TimeoutError:
         raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
     except Exception as e:
         raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {str(e)[:2000]}") from e

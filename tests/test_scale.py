@@ -25,6 +25,32 @@ TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4",
 needs_data = pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")
 
 
+# ---- actor calls -----------------------------------------------------------------------------------
+
+def test_call_never_swallows_a_cancel_that_meets_the_answer():
+    """Ctrl-C cancels the controller's main task. When the actor's answer lands in the same loop
+    iteration as the cancel, ``call`` must still raise CancelledError (Python 3.11's
+    ``asyncio.wait_for`` returned the answer, the run went on, and a Ctrl-C was lost), with a
+    deadline or without one; a missed deadline still names the actor."""
+    from forge_core.services import ActorFailed, call
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for timeout_s in (60.0, None):
+            fut = loop.create_future()
+            task = asyncio.create_task(call("trainer", SimpleNamespace(call_one=lambda: fut), timeout_s=timeout_s))
+            await asyncio.sleep(0)  # the call now waits for the answer
+            fut.set_result("answer")
+            task.cancel()  # in the same iteration
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        never = loop.create_future()
+        with pytest.raises(ActorFailed, match="actor 'trainer' did not answer within 0 s"):
+            await call("trainer", SimpleNamespace(call_one=lambda: never), timeout_s=0.05)
+
+    asyncio.run(main())
+
+
 # ---- Dispatcher (pure bookkeeping) ---------------------------------------------------------------
 
 def _check_partition(plan: dict, n: int, eligible: list) -> None:
