@@ -12,6 +12,7 @@ import asyncio
 import functools
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -117,6 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         out = run_dir(cfg)
         print(f"run directory: {out}", flush=True)
+        # Ctrl-C stops the run (asyncio turns SIGINT into a cancel) even if this process was started
+        # with SIGINT ignored or blocked, which a parent's settings pass on (seen under pytest in CI)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         row = asyncio.run(_run(cfg, out))
         print(json.dumps({k: row[k] for k in ("step", "reward_mean", "accuracy", "loss", "elapsed_s") if k in row}))
         print(f"metrics: {out}/metrics.jsonl  plot: {out}/reward.png  final checkpoint: {out}/final")
