@@ -19,7 +19,7 @@ Each loss's paper is cited in its config's docstring, the KL estimators' source 
 """
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -365,8 +365,8 @@ def _validate(cfg: Any) -> None:
 
 
 def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+                 mask: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None, lazy: bool = False
+                 ) -> tuple[torch.Tensor, Any]:
     """The loss selected by ``cfg.name`` and its metrics; each loss's formula and paper are in its
     config's docstring (:data:`LOSS_CONFIGS`). ``beta * kl_estimate(logprobs, ref_logprobs, kl_estimator)``
     is added to every per-token loss when ``beta > 0``; the sum is reduced by :func:`aggregate` with
@@ -381,6 +381,9 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
         mask: [B, T] bool or 0/1; True/1 on response tokens that count (not prompt or padding).
         ref_logprobs: [B, T] log-probs under the frozen reference model, or None. Required when
             ``cfg.beta > 0``; when given with beta = 0 it only feeds the KL metrics.
+        lazy: return, instead of the metrics, a function that returns them: their one
+            device->host copy (a GPU sync) waits until it is called, so a trainer can queue
+            every micro-batch's work first.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a 0-dim float32 tensor (float64 for float64 inputs) to
@@ -431,11 +434,13 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
         if beta > 0:
             per_token = per_token + beta * kl
     loss = aggregate(per_token, m, cfg.aggregation, getattr(cfg, "horizon", None))
-    return loss, _metrics(term, kl, m)
+    metrics = _metrics(term, kl, m)
+    return loss, metrics if lazy else metrics()
 
 
-def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> dict[str, float]:
-    """Reduce the per-token statistics to the metrics of :func:`compute_loss` with one device->host copy."""
+def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> Callable[[], dict[str, float]]:
+    """Reduce the per-token statistics to the metrics of :func:`compute_loss` on their device; the
+    returned function copies them to the host (one copy) and names them."""
     with torch.no_grad():
         dtype = term.ratio.dtype
         n = m.sum()
@@ -453,9 +458,15 @@ def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> 
                  frac(term.clipped_low), frac(term.clipped_high)]
         stats += [zero, zero] if kl is None else [mean(kl), torch.where(m, kl, -float("inf")).amax()]
         stats += [frac(v) if v.dtype == torch.bool else mean(v.to(dtype)) for v in term.extra.values()]
-        count, *values = torch.stack(stats).tolist()
-    out = dict(zip(METRIC_KEYS[:7] + tuple(term.extra), values))
-    if count == 0:  # nothing unmasked: neutral values instead of +-inf / NaN
-        out = {k: 1.0 if k.startswith("ratio_") else 0.0 for k in out}
-    out["masked_frac"] = 1.0 - count / m.numel()
-    return out
+        stats = torch.stack(stats)
+    keys, numel = METRIC_KEYS[:7] + tuple(term.extra), m.numel()
+
+    def host() -> dict[str, float]:
+        count, *values = stats.tolist()
+        out = dict(zip(keys, values))
+        if count == 0:  # nothing unmasked: neutral values instead of +-inf / NaN
+            out = {k: 1.0 if k.startswith("ratio_") else 0.0 for k in out}
+        out["masked_frac"] = 1.0 - count / numel
+        return out
+
+    return host

@@ -23,6 +23,11 @@ def test_gpu_config_validation():
         load_config("qwen3_1_7b", ["layout.gpus_per_node=1"])
     with pytest.raises(ConfigError, match="generator.sleep_level=3"):
         load_config("qwen3_1_7b", ["generator.sleep_level=3"])
+    with pytest.raises(ConfigError, match="generator.kv_cache_dtype='fp8'"):  # vLLM only
+        load_config("smollm2_135m", ["generator.kv_cache_dtype=fp8"])
+    with pytest.raises(ConfigError, match="generator.kv_cache_dtype='int4'"):
+        load_config("qwen3_1_7b", ["generator.kv_cache_dtype=int4"])
+    assert load_config("qwen3_1_7b", ["generator.kv_cache_dtype=fp8"]).generator.kv_cache_dtype == "fp8"
     awake = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "generator.sleep_level=0",  # overlap on one GPU
                                        "generator.gpu_memory_utilization=0.3"])
     plan = plan_layout(awake)

@@ -304,6 +304,20 @@ def test_loss_and_grad_match_loop_reference(variant, aggregation, token_adv, bet
     assert grad.abs().sum() > 0  # the comparison is not between two zeros
 
 
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=VARIANT_IDS)
+def test_lazy_metrics_are_the_eager_ones(variant):
+    """``lazy=True`` (the trainer: no host sync per micro-batch) returns the same loss and, once
+    called, the same metrics; an all-masked batch keeps its neutral values."""
+    name, overrides = VARIANTS[variant]
+    cfg = make_loss_config(name, **overrides)
+    lp, old, ref, adv, mask = make_inputs(seed=300 + variant)
+    for m in (mask, torch.zeros_like(mask)):
+        loss, metrics = L.compute_loss(cfg, lp, old, adv, m, ref)
+        lazy_loss, later = L.compute_loss(cfg, lp, old, adv, m, ref, lazy=True)
+        assert callable(later) and torch.equal(loss, lazy_loss)
+        assert later() == metrics
+
+
 def test_reference_comparison_is_sensitive():
     """The comparison fails when the reference uses other parameters: no tautology."""
     lp, old, ref, adv, mask = make_inputs(seed=7)

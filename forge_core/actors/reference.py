@@ -121,15 +121,18 @@ class Reference(Actor):
         the episodes another rank computed), seconds)``; merge the ranks' lists by index."""
         t0 = time.perf_counter()
         out: list = [None] * len(episodes)
+        done = []  # on the device until every micro-batch is queued: one GPU sync, not one each
         with torch.no_grad(), self.cores:
             for idx, dummy in micro_batches(episodes, self.rank, self.world, self.micro_batch_size, self.budget):
                 self.cores.refresh()
                 R = max(max(len(episodes[i].response_ids) for i in idx), 1)
                 lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget, self.chunk,
-                                 self.select).cpu()
+                                 self.select)
                 if not dummy:
-                    for i, row in zip(idx, lp):
-                        out[i] = row[:len(episodes[i].response_ids)].tolist()
+                    done.append((idx, lp))
+            for idx, lp in done:
+                for i, row in zip(idx, lp.cpu()):
+                    out[i] = row[:len(episodes[i].response_ids)].tolist()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return out, time.perf_counter() - t0

@@ -249,6 +249,7 @@ class Trainer(Actor):
         agg: dict[str, float] = {}
         self.opt.zero_grad(set_to_none=True)
         dev = lambda x, idx: None if x is None else x[idx].to(self.device, non_blocking=True)
+        pending = []  # per micro-batch, read after the loop: no GPU sync until every one is queued
         try:
             for idx, dummy in micro_batches(episodes, self.rank, self.world, self.t.micro_batch_size, self.budget):
                 self.cores.refresh()
@@ -260,13 +261,12 @@ class Trainer(Actor):
                     continue
                 mask = b.response_mask[idx]
                 share = loss_share(self.loss_cfg.aggregation, mask, total_rows, total_tokens)
-                loss, m = compute_loss(self.loss_cfg, lp, dev(b.behaviour_logprobs, idx), dev(b.advantages, idx),
-                                       dev(b.response_mask, idx), dev(b.ref_logprobs, idx))
+                loss, metrics = compute_loss(self.loss_cfg, lp, dev(b.behaviour_logprobs, idx),
+                                             dev(b.advantages, idx), dev(b.response_mask, idx),
+                                             dev(b.ref_logprobs, idx), lazy=True)
                 (loss * share).backward()
-                m["loss"] = loss.item()
-                m["train_tokens"] = float(mask.sum())
-                m["seq_tokens"] = float(sum(len(episodes[i].prompt_ids) + len(episodes[i].response_ids) for i in idx))
-                accumulate(agg, m, share)
+                seq = sum(len(episodes[i].prompt_ids) + len(episodes[i].response_ids) for i in idx)
+                pending.append((loss.detach(), metrics, share, dict(train_tokens=float(mask.sum()), seq_tokens=seq)))
         except torch.OutOfMemoryError as e:
             self.opt.zero_grad(set_to_none=True)
             size, knob = ((f"packed micro-batches of {self.budget} tokens", "tokens_per_micro_batch") if self.budget
@@ -278,6 +278,8 @@ class Trainer(Actor):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        for loss, metrics, share, counts in pending:
+            accumulate(agg, dict(metrics(), loss=loss.item(), **counts), share)
         agg = self._reduce(agg)
         skipped = not (math.isfinite(agg.get("loss", 0.0)) and bool(torch.isfinite(grad_norm)))
         if not skipped:

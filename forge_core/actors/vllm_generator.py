@@ -201,7 +201,7 @@ class VllmGenerator(Actor):
                        load_format="dummy", dtype=self.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
                        max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
                        seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps,
-                       max_num_seqs=g.max_num_seqs)
+                       max_num_seqs=g.max_num_seqs, kv_cache_dtype=g.kv_cache_dtype)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
         self.awake = {"weights", "kv_cache"}
