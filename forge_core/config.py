@@ -257,8 +257,8 @@ def _check(cfg: DictConfig, where: str) -> None:
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
                           f"than the longest episode (generator.max_prompt_tokens + max_response_tokens = {seq})")
-    if not 1 <= cfg.trainer.mps_thread_percentage <= 100:
-        raise ConfigError(f"{where}: trainer.mps_thread_percentage={cfg.trainer.mps_thread_percentage} must be in 1..100")
+    if not 1 <= (pct := cfg.trainer.mps_thread_percentage) <= 100:
+        raise ConfigError(f"{where}: trainer.mps_thread_percentage={pct} must be in 1..100")
     if cfg.max_staleness < 0:
         raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":

@@ -5,7 +5,7 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
     rollout loop (batch k = 0, 1, ...)                 training loop (step s = start .. steps-1)
     ----------------------------------                 -----------------------------------------
     wait until the buffer holds less than one batch    wait until buffer.sample(B, s) returns B
-      and a generator replica has version >= k - S       episodes with s - version <= S
+      and a generator replica has version >= k - d - S   episodes with s - version <= S
     problems  = source.next_batch(prompts_per_step)    metrics = trainer.train_step(episodes)
     groups -> replicas (Dispatcher: whole groups,      wait for the previous weight sync, then
       to the replica expected to finish first)           handle = trainer.publish()   (version s+1)
@@ -17,8 +17,9 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
                                                            staged copy)
                                                        log one JSONL line, checkpoint every N steps
 
-S = ``max_staleness``. With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops
-alternate (fully on-policy). Batch k's reward, reference and advantages run while batch k+1
+S = ``max_staleness``; d = batches dropped so far (skipped steps), so batch k trains at step k - d.
+With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops alternate (fully
+on-policy). Batch k's reward, reference and advantages run while batch k+1
 generates (when its replicas are eligible), so the reference's forward is off the rollout path. A
 checkpoint is taken at a quiet point (no batch generating or being finished, sync done), so a
 resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
@@ -288,7 +289,9 @@ class Controller:
 
     # ---- rollouts ----------------------------------------------------------------------------
     def _eligible(self, k: int) -> list[int]:
-        return [i for i, v in enumerate(self.versions) if v >= k - self.cfg.max_staleness]
+        """Replicas that may generate batch ``k``: policy version >= the step it will train at
+        (``k`` less the batches dropped so far) - S."""
+        return [i for i, v in enumerate(self.versions) if v >= k - self.skipped_batches - self.cfg.max_staleness]
 
     async def _generate(self, problems: list, k: int, replicas: list[int]) -> tuple[list[Episode], dict]:
         """Generate batch ``k`` over ``replicas`` (whole groups each); episodes in problem order."""

@@ -404,6 +404,25 @@ def test_full_disk_during_checkpoint(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def test_a_skipped_step_keeps_the_staleness_bound(tmp_path):
+    """A dropped batch must not shift the rollout gate: with ``max_staleness=0`` the batch made
+    after it is the next step's, so a replica at the trainer's version may generate it (the gate
+    counted batches, not steps, and waited for a version only that batch could produce: the run
+    hung). Fully on-policy after the skip: staleness 0 on every step."""
+    mod = tmp_path / "mod"
+    mod.mkdir()
+    (mod / "chaos_nan_reward.py").write_text(NAN_REWARD)
+    run = Run(tmp_path, "nan0", ["steps=3", "max_staleness=0", "checkpoint.every=0",
+                                 "reward.fn=chaos_nan_reward:nan_once", *FAST_FAULTS], pythonpath=str(mod))
+    rc = run.finish(timeout=240)
+    out = run.output()
+    assert rc == 0, out[-4000:]
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["skipped_batches"] for r in rows] == [0, 1, 1]
+    assert all(r["staleness_max"] == 0 for r in rows), [r["staleness_max"] for r in rows]
+
+
 # ---- the trainer's non-finite guard, through the real actor ------------------------------------------
 
 def test_trainer_skips_a_non_finite_step():
