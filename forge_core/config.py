@@ -80,11 +80,7 @@ class TrainerConfig:
     ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate without it
     exceeds 85% of the GPU (never on CPU). ``tp``: tensor-parallel degree of the GPU trainer
     (TorchTitan TP; FSDP2 over the rest). ``compile``: ``torch.compile`` each block (TorchTitan's
-    per-block compile) in the trainer and the reference; the compile time is reported at start-up.
-    ``mps_thread_percentage``: under a running CUDA MPS daemon, the percent of the GPU's SMs the
-    trainer's and the reference's kernels may occupy (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` in their
-    processes), so an awake colocated engine (``generator.sleep_level=0``) keeps SMs for decoding
-    while training overlaps it; 100 (default): no limit; ignored without MPS."""
+    per-block compile) in the trainer and the reference; the compile time is reported at start-up."""
 
     lr: float = 1e-5
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -97,7 +93,6 @@ class TrainerConfig:
     activation_checkpointing: Optional[bool] = None
     tp: int = 1
     compile: bool = False
-    mps_thread_percentage: int = 100
 
 
 @dataclass
@@ -257,8 +252,6 @@ def _check(cfg: DictConfig, where: str) -> None:
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
                           f"than the longest episode (generator.max_prompt_tokens + max_response_tokens = {seq})")
-    if not 1 <= (pct := cfg.trainer.mps_thread_percentage) <= 100:
-        raise ConfigError(f"{where}: trainer.mps_thread_percentage={pct} must be in 1..100")
     if cfg.max_staleness < 0:
         raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":
