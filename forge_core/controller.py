@@ -19,12 +19,12 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
 
 S = ``max_staleness``; d = batches dropped so far (skipped steps), so batch k trains at step k - d.
 With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops alternate (fully
-on-policy). Batch k's reward, reference and advantages run while batch k+1
-generates (when its replicas are eligible), so the reference's forward is off the rollout path. A
-checkpoint is taken at a quiet point (no batch generating or being finished, sync done), so a
-resumed run sees exactly the batch the uninterrupted run would have seen. Spawning and
-placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
-checkpoint files :mod:`forge_core.checkpoint`.
+on-policy). Batch k's reward, reference and advantages run while batch k+1 generates (when its
+replicas are eligible), so the reference's forward is off the rollout path. A checkpoint is taken at
+a quiet point (no batch generating or being finished, sync done), so a resumed run sees exactly the
+batch the uninterrupted run would have seen. Spawning and placing the actors is
+:mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`; checkpoint files
+:mod:`forge_core.checkpoint`.
 
 Faults inside a run (``fault.*``): every actor call has a deadline from the work it carries; a
 generator replica, the reward or the reference that dies or misses its deadline is killed, respawned
