@@ -80,7 +80,11 @@ class TrainerConfig:
     ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate without it
     exceeds 85% of the GPU (never on CPU). ``tp``: tensor-parallel degree of the GPU trainer
     (TorchTitan TP; FSDP2 over the rest). ``compile``: ``torch.compile`` each block (TorchTitan's
-    per-block compile) in the trainer and the reference; the compile time is reported at start-up."""
+    per-block compile) in the trainer and the reference; the compile time is reported at start-up.
+    ``mps_client_priority``: 1 runs the trainer's and the reference's processes as below-normal
+    priority clients under a running CUDA MPS daemon (``CUDA_MPS_CLIENT_PRIORITY``), so that an awake
+    colocated engine's (``generator.sleep_level=0``) decoding kernels are scheduled first while
+    training overlaps it; 0 (default): normal; ignored without MPS."""
 
     lr: float = 1e-5
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -93,6 +97,7 @@ class TrainerConfig:
     activation_checkpointing: Optional[bool] = None
     tp: int = 1
     compile: bool = False
+    mps_client_priority: int = 0
 
 
 @dataclass
@@ -252,6 +257,9 @@ def _check(cfg: DictConfig, where: str) -> None:
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
                           f"than the longest episode (generator.max_prompt_tokens + max_response_tokens = {seq})")
+    if cfg.trainer.mps_client_priority not in (0, 1):
+        raise ConfigError(f"{where}: trainer.mps_client_priority={cfg.trainer.mps_client_priority} must be 0 (normal) "
+                          "or 1 (below normal)")
     if cfg.max_staleness < 0:
         raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":

@@ -217,7 +217,8 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
                     else 0.0)
     t = cfg.trainer  # the reference
     return dict(kw, dtype=cfg.generator.dtype, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
-                tokens_per_micro_batch=t.tokens_per_micro_batch, logprob_chunk=t.logprob_chunk, compile=t.compile)
+                tokens_per_micro_batch=t.tokens_per_micro_batch, logprob_chunk=t.logprob_chunk, compile=t.compile,
+                mps_priority=t.mps_client_priority)
 
 
 def cores_dir() -> str:

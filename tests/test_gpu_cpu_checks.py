@@ -28,6 +28,8 @@ def test_gpu_config_validation():
     with pytest.raises(ConfigError, match="generator.kv_cache_dtype='int4'"):
         load_config("qwen3_1_7b", ["generator.kv_cache_dtype=int4"])
     assert load_config("qwen3_1_7b", ["generator.kv_cache_dtype=fp8"]).generator.kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="trainer.mps_client_priority=2"):
+        load_config("qwen3_1_7b", ["trainer.mps_client_priority=2"])
     awake = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "generator.sleep_level=0",  # overlap on one GPU
                                        "generator.gpu_memory_utilization=0.3"])
     plan = plan_layout(awake)
@@ -35,6 +37,10 @@ def test_gpu_config_validation():
     from forge_core.services import actor_kwargs  # the trainer's memory estimate counts the awake engine's share
 
     assert actor_kwargs(awake, "trainer", plan.trainer, plan)["shared_frac"] == 0.3
+    low = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0", "trainer.mps_client_priority=1"])
+    lplan = plan_layout(low)  # both the trainer's and the reference's processes get it
+    assert actor_kwargs(low, "reference", lplan.trainer, lplan)["mps_priority"] == 1
+    assert actor_kwargs(low, "trainer", lplan.trainer, lplan)["trainer"]["mps_client_priority"] == 1
     asleep = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0"])
     assert actor_kwargs(asleep, "trainer", plan_layout(asleep).trainer, plan_layout(asleep))["shared_frac"] == 0.0
     with pytest.raises(ConfigError, match="node 0 has 3 GPUs"):

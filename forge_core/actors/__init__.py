@@ -64,12 +64,15 @@ class CoreShare:
                 pass
 
 
-def init_device(device: str, gpus: list, per_node: int, rank: int, world: int, port: int) -> torch.device:
+def init_device(device: str, gpus: list, per_node: int, rank: int, world: int, port: int,
+                mps_priority: int = 0) -> torch.device:
     """This rank's device. On CUDA: its GPU first in ``CUDA_VISIBLE_DEVICES`` (set before CUDA
     starts; with several ranks each sees only its own GPU, as DTensor's RNG and DeviceMesh expect)
     and, with ``world > 1``, ``torch.distributed`` (NCCL) over the service's ranks, which share one
-    host, rendezvous at ``127.0.0.1:port`` (a port the OS gave rank 0's host). Call it before
-    anything starts CUDA (importing TorchTitan's models does).
+    host, rendezvous at ``127.0.0.1:port`` (a port the OS gave rank 0's host). ``mps_priority`` 1
+    makes this process a below-normal priority client under CUDA MPS (``CUDA_MPS_CLIENT_PRIORITY``,
+    ``trainer.mps_client_priority``). Call it before anything starts CUDA (importing TorchTitan's
+    models does).
 
     Raises:
         RuntimeError: with ``world > 1``, CUDA had started before and sees other GPUs too.
@@ -79,6 +82,8 @@ def init_device(device: str, gpus: list, per_node: int, rank: int, world: int, p
     from forge_core.layout import visible_devices
 
     os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices([gpus[rank]], per_node, only_own=world > 1)
+    if mps_priority:
+        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = str(mps_priority)
     torch.cuda.set_device(0)
     if world > 1 and torch.cuda.device_count() != 1:  # NCCL would put several ranks on one GPU
         raise RuntimeError(f"rank {rank}: CUDA started before init_device and sees {torch.cuda.device_count()} GPUs, "

@@ -39,18 +39,19 @@ class Reference(Actor):
         seq_len: longest prompt + response (tokens).
         seed, threads: process seed and torch threads.
         gpus, per_node, port, cores_dir: as for :class:`forge_core.actors.trainer.Trainer`.
+        mps_priority: ``trainer.mps_client_priority`` (1: below normal under CUDA MPS).
     """
 
     def __init__(self, model: dict, *, device: str, dtype: str, temperature: float, micro_batch_size: int,
                  seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0, port: int = 0,
                  tokens_per_micro_batch: int = 0, logprob_chunk: int = 1024, compile: bool = False,
-                 cores_dir: str = ""):
+                 cores_dir: str = "", mps_priority: int = 0):
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "reference", threads)
         self.world = max(len(gpus), 1)
         self.rank = current_rank().rank if self.world > 1 else 0
         # first: importing TorchTitan's models starts CUDA, which then ignores CUDA_VISIBLE_DEVICES
-        self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
+        self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port, mps_priority)
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
         self.model_cfg = dict(model)
         self.dtype = resolve_dtype(dtype, device, self.spec.hf["hidden_size"], "reference")

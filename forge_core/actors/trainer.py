@@ -134,7 +134,8 @@ class Trainer(Actor):
         self.cores = CoreShare(cores_dir, "trainer", threads)
         self.world = max(len(gpus), 1)
         self.rank = current_rank().rank if self.world > 1 else 0
-        self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port)
+        self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port,
+                                  self.t.mps_client_priority)
         self.temperature = temperature
         self.model_name = model["name"]
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
