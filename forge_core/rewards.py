@@ -34,12 +34,7 @@ def normalize_number(text: str) -> Optional[str]:
     ``"$1,234.50"`` -> ``"1234.5"``, ``"-3."`` -> ``"-3"``, ``"\u22127"`` -> ``"-7"``,
     ``"12.000"`` -> ``"12"``, ``"+4"`` -> ``"4"``, ``"0.50"`` -> ``"0.5"``.
     """
-    s = text.strip().replace("\u2212", "-").replace(",", "").replace(" ", "")
-    s = s.replace("$", "").replace("€", "").replace("£", "").rstrip(".")
-    if s.startswith("+"):
-        s = s[1:]
-    if not s or s in "-.":
-        return None
+    s = re.sub("[, $€£]", "", text.strip().replace("\u2212", "-")).rstrip(".").removeprefix("+")
     try:
         d = Decimal(s)
     except InvalidOperation:
@@ -60,17 +55,10 @@ def extract_answer(text: str, mode: str = "strict") -> Optional[str]:
     Raises:
         ValueError: for an unknown ``mode``.
     """
-    if mode == "strict":
-        matches = _STRICT_RE.findall(text)
-    elif mode == "flexible":
-        matches = _NUM_RE.findall(text)
-    else:
+    if mode not in MODES:
         raise ValueError(f"reward.mode must be one of {MODES}, got {mode!r}")
-    for m in reversed(matches):  # the last parseable one
-        n = normalize_number(m)
-        if n is not None:
-            return n
-    return None
+    matches = (_STRICT_RE if mode == "strict" else _NUM_RE).findall(text)
+    return next((n for n in map(normalize_number, reversed(matches)) if n is not None), None)  # the last parseable
 
 
 def format_reward(text: str) -> float:
