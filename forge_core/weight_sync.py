@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import glob
 import hashlib
 import os
 import threading
@@ -122,22 +123,15 @@ _LOCAL: dict = {}  # (pid, id) -> tensor: buffers of this process, opened by ipc
 def remove_shm_buffers(pid: int) -> None:
     """Remove the shared-memory files of the CPU staging buffers process ``pid`` of this host
     created (after the process ended: nobody maps them by name any more)."""
-    if _SHM_DIR:
-        for name in os.listdir(_SHM_DIR):
-            if name.startswith(f"forge-weights-{pid}-"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(_SHM_DIR, name))
+    for path in glob.glob(f"{_SHM_DIR}/forge-weights-{pid}-*") if _SHM_DIR else []:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 class StagingBuffer:
-    """Every published tensor back to back (``layout`` order) in ``dtype`` on ``device``, ``nbytes``
-    bytes; CPU buffers live in a shared-memory file so that processes of the same host can map them.
-
-    Args:
-        layout: ``[(hf_name, shape, numel)]``.
-        dtype: element dtype.
-        device: where the bytes live.
-    """
+    """Every published tensor back to back in ``layout`` order (``[(hf_name, shape, numel)]``), in
+    ``dtype`` on ``device``, ``nbytes`` bytes; CPU buffers live in a shared-memory file so that
+    processes of the same host can map them."""
 
     def __init__(self, layout: list, dtype: torch.dtype, device: Any):
         self.layout = [(n, tuple(s), int(k)) for n, s, k in layout]
@@ -265,19 +259,18 @@ def load_into_model(model: torch.nn.Module, handle: WeightHandle, bucket_bytes: 
     biggest = max(e - s for s, e, _ in buckets)
     local = [torch.empty(biggest, dtype=remote.dtype, device=dev) for _ in range(2)]
     side = torch.cuda.Stream(dev)
-    ev = None
+
+    def copy(i: int) -> Any:  # bucket i into local[i % 2] on the side stream
+        s, e, _ = buckets[i]
+        with torch.cuda.stream(side):
+            local[i % 2][:e - s].copy_(remote[s:e], non_blocking=True)
+        return side.record_event()
+    ev = copy(0)
     for i, (s, e, entries) in enumerate(buckets):
-        if i == 0:
-            with torch.cuda.stream(side):
-                local[0][:e - s].copy_(remote[s:e], non_blocking=True)
-            ev = side.record_event()
         torch.cuda.current_stream(dev).wait_event(ev)
         if i + 1 < len(buckets):
-            s2, e2, _ = buckets[i + 1]
             side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                local[(i + 1) % 2][:e2 - s2].copy_(remote[s2:e2], non_blocking=True)
-            ev = side.record_event()
+            ev = copy(i + 1)
         model.load_weights(layout_views(local[i % 2][:e - s], entries))
     torch.cuda.synchronize(dev)
     return {"mode": "peer_gpu", "buckets": len(buckets)}
@@ -334,12 +327,9 @@ def broadcast(pg: Any, flat: torch.Tensor, bucket_bytes: int) -> None:
 
 class Sender:
     """The trainer rank 0's side of the nccl transport: hosts the group's TCPStore (port from the
-    OS) and broadcasts each published version in a background thread, so training goes on.
-
-    Args:
-        addr: an address of this host that every receiver can reach.
-        timeout_s: group formation and transfer timeout, in seconds.
-    """
+    OS; ``addr``: an address of this host that every receiver can reach) and broadcasts each published
+    version in a background thread, so training goes on. ``timeout_s``: group formation and transfer
+    timeout (seconds)."""
 
     def __init__(self, addr: str, timeout_s: float):
         import torch.distributed as dist
@@ -381,13 +371,9 @@ class Sender:
 
 
 class Receiver:
-    """A receiver's own staging buffer for the network transports (nccl, rdma), registered in this
-    process by ``name`` so that the generator actor of the same process can load from it.
-
-    Args:
-        name: the generator replica's name (the registry key).
-        device: where to stage (the engine's GPU, or CPU).
-    """
+    """A receiver's own staging buffer for the network transports (nccl, rdma) on ``device`` (the
+    engine's GPU, or CPU), registered in :data:`RECEIVERS` under ``name`` (the generator replica's) so
+    that the generator actor of the same process can load from it."""
 
     def __init__(self, name: str, device: Any):
         self.name, self.device = name, device
