@@ -11,19 +11,16 @@ with a single dimension ``hosts`` in node-rank order::
 
 Facts about torchmonarch 0.7.0 this relies on (measured on two network-namespace hosts):
 
-- Workers: ``monarch.actor.run_worker_loop_until_shutdown(address="tcp://IP:PORT",
-  ca="trust_all_connections")`` returns when the controller calls ``HostMesh.shutdown()``
-  (``run_worker_loop_forever`` kills the process instead); if the controller dies, the worker
-  waits for a new one. ``tcp://*`` is not implemented: each worker binds its own routable address.
-- Controller: ``enable_transport`` must name an explicit address, ``tcp://CONTROLLER_IP:0``. The
-  ``"tcp"`` shortcut (``TcpWithHostname``) *panics* when the hostname resolves only to loopback
-  (common: ``/etc/hosts`` maps it to 127.0.x.1); with ``"ipc"`` (the default) remote workers never
-  connect back. It must come before any other Monarch call; the same address again is a no-op.
-- ``attach_to_workers(workers=[...], ca="trust_all_connections")`` returns at once and keeps
-  retrying; ``await mesh.initialized`` never fails by itself for a host that is not up, so
-  :func:`attach` probes each worker port and bounds the wait.
-- A per-host sub-mesh is ``mesh.slice(hosts=i)``; procs on it come from
-  ``spawn_procs(per_host={"procs": n})`` and actors from ``procs.spawn(name, ActorClass)``.
+- Workers: ``run_worker_loop_until_shutdown(address="tcp://IP:PORT", ca="trust_all_connections")``
+  returns on ``HostMesh.shutdown()`` (``run_worker_loop_forever`` kills the process instead); if the
+  controller dies, the worker waits for a new one. ``tcp://*`` is not implemented: each worker binds
+  its own routable address.
+- Controller: ``enable_transport`` must come first and name an explicit ``tcp://CONTROLLER_IP:0``
+  (the same address again is a no-op): the ``"tcp"`` shortcut *panics* when the hostname resolves
+  only to loopback (``/etc/hosts`` often maps it to 127.0.x.1); with ``"ipc"`` (the default) remote
+  workers never connect back.
+- ``attach_to_workers`` returns at once and keeps retrying; ``await mesh.initialized`` never fails
+  for a host that is not up, so :func:`attach` probes each worker port and bounds the wait.
 
 Command line: ``python -m launch.bootstrap worker --host IP [--port P]`` or ``worker --from slurm|sky``
 (address from the launcher's environment) runs a worker; ``show --from slurm|sky`` prints the Cluster.
@@ -86,7 +83,7 @@ class Cluster:
         if not self.hosts:
             raise ValueError("Cluster needs at least one host")
         if not 0 <= self.node_rank < len(self.hosts):
-            raise ValueError(f"node_rank {self.node_rank} outside 0..{len(self.hosts) - 1}")
+            raise ValueError(f"node_rank {self.node_rank} outside 0..{len(self.hosts) - 1} for hosts {self.hosts}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} outside 1..65535")
 
@@ -103,9 +100,6 @@ class Cluster:
     def worker_addresses(self) -> list[str]:
         """Monarch channel addresses of all workers, ``tcp://HOST:PORT``, in rank order."""
         return [f"tcp://{h}:{self.port}" for h in self.hosts]
-
-
-# --------------------------------------------------------------------------- host lists
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -178,9 +172,7 @@ def local_ip_for(host: str) -> str:
 def _resolve_hosts(names: Sequence[str], node_rank: int) -> list[str]:
     """Resolve names to IPs; this node's loopback address (Debian's 127.0.1.1 /etc/hosts line) becomes
     the one it uses to reach the first non-loopback node. All-loopback lists (nodes emulated on one
-    machine: 127.0.0.1, 127.0.0.2, ...) are kept: each node binds its own. ValueError: rank out of range."""
-    if not 0 <= node_rank < len(names):
-        raise ValueError(f"node_rank {node_rank} outside 0..{len(names) - 1} for hosts {list(names)}")
+    machine: 127.0.0.1, 127.0.0.2, ...) are kept: each node binds its own."""
     ips = [resolve(n) for n in names]  # IPv4 literals
     loopback = [ipaddress.ip_address(ip).is_loopback for ip in ips]
     others = [ip for ip, lo in zip(ips, loopback) if not lo]
@@ -192,41 +184,36 @@ def _resolve_hosts(names: Sequence[str], node_rank: int) -> list[str]:
 def _cluster(env: Mapping[str, str], names: Sequence[str], rank: int, port: int | None) -> Cluster:
     """The Cluster of ``names`` resolved; port: ``port``, else ``$FORGE_MONARCH_PORT``, else 26600."""
     port = int(port if port is not None else env.get(PORT_ENV, DEFAULT_PORT))
-    return Cluster(node_rank=rank, hosts=_resolve_hosts(names, rank), port=port)
+    c = Cluster(node_rank=rank, hosts=list(names), port=port)  # checks the rank before names are resolved
+    c.hosts = _resolve_hosts(c.hosts, rank)
+    return c
 
 
 def cluster_from_slurm(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
-    """The Cluster of the current SLURM job step (one task per node, e.g. submitit's ``tasks_per_node=1``;
-    with more, only local rank 0 should run a worker).
-
-    Reads ``SLURM_NODEID`` (submitit's ``JobEnvironment().node``) and ``SLURM_STEP_NODELIST``,
-    ``SLURM_JOB_NODELIST`` or ``SLURM_NODELIST`` (:func:`expand_nodelist`), each name resolved to IPv4;
-    the port is ``port``, else ``$FORGE_MONARCH_PORT``, else 26600.
-    Raises KeyError when not inside a SLURM job, OSError when a node name does not resolve.
-    """
+    """The Cluster of the current SLURM job step (one task per node; with more, only local rank 0
+    should run a worker): ``SLURM_NODEID`` and ``SLURM_STEP_NODELIST``, ``SLURM_JOB_NODELIST`` or
+    ``SLURM_NODELIST`` (:func:`expand_nodelist`, names resolved to IPv4); the port is ``port``, else
+    ``$FORGE_MONARCH_PORT``, else 26600. Raises KeyError when not inside a SLURM job, OSError when a
+    node name does not resolve."""
     env = os.environ if env is None else env
     if "SLURM_NODEID" not in env:
         raise KeyError("SLURM_NODEID is not set: not running inside a SLURM job step")
-    nodelist = next((env[k] for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
-                                      "SLURM_NODELIST") if env.get(k)), None)
-    if nodelist is None:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
         raise KeyError("SLURM_JOB_NODELIST is not set: not running inside a SLURM job")
     return _cluster(env, expand_nodelist(nodelist), int(env["SLURM_NODEID"]), port)
 
 
 def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
-    """The Cluster of the current SkyPilot task.
-
-    Reads ``SKYPILOT_NODE_RANK`` and ``SKYPILOT_NODE_IPS`` (newline-separated, rank order; none: a
-    single node, this one); the port is ``port``, else ``$FORGE_MONARCH_PORT``, else 26600.
-    Raises KeyError when ``SKYPILOT_NODE_RANK`` is not set, ValueError when ``SKYPILOT_NUM_NODES``
-    disagrees with the IP list.
-    """
+    """The Cluster of the current SkyPilot task: ``SKYPILOT_NODE_RANK`` and ``SKYPILOT_NODE_IPS``
+    (newline-separated, rank order; none: a single node, this one); the port is ``port``, else
+    ``$FORGE_MONARCH_PORT``, else 26600. Raises KeyError when ``SKYPILOT_NODE_RANK`` is not set,
+    ValueError when ``SKYPILOT_NUM_NODES`` disagrees with the IP list."""
     env = os.environ if env is None else env
     if "SKYPILOT_NODE_RANK" not in env:
         raise KeyError("SKYPILOT_NODE_RANK is not set: not running inside a SkyPilot task")
-    ips = [line.strip() for line in env.get("SKYPILOT_NODE_IPS", "").splitlines() if line.strip()]
-    ips = ips or ["127.0.0.1"]  # single node: controller and worker share this machine
+    ips = ([line.strip() for line in env.get("SKYPILOT_NODE_IPS", "").splitlines() if line.strip()]
+           or ["127.0.0.1"])  # single node: controller and worker share this machine
     n = env.get("SKYPILOT_NUM_NODES")
     if n is not None and int(n) != len(ips):
         raise ValueError(f"SKYPILOT_NUM_NODES={n} but SKYPILOT_NODE_IPS lists {len(ips)} IPs")
@@ -234,9 +221,6 @@ def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = No
 
 
 CLUSTER_FROM = {"slurm": cluster_from_slurm, "sky": cluster_from_sky}  # launcher name -> its Cluster
-
-
-# --------------------------------------------------------------------------- worker side
 
 
 def worker_address(cluster: Cluster) -> str:
@@ -247,11 +231,9 @@ def worker_address(cluster: Cluster) -> str:
 
 
 def run_worker(cluster: Cluster) -> None:
-    """Run this node's Monarch worker; blocks until the controller shuts the host mesh down, then returns
-    (a submitit task ends with a result, not killed). If the controller disconnects without a shutdown,
-    the worker waits for a new one (bound the job with a time limit). Raises OSError when this node's
-    address cannot be found; Monarch raises (or panics) when it cannot be bound, e.g. the port is taken.
-    """
+    """Run this node's Monarch worker; returns when the controller shuts the host mesh down (if it
+    disconnects without that, the worker waits for a new one). Raises OSError when this node's address
+    cannot be found; Monarch raises (or panics) when it cannot be bound, e.g. the port is taken."""
     from monarch.actor import run_worker_loop_until_shutdown
 
     run_worker_loop_until_shutdown(address=worker_address(cluster), ca=TRUST_ALL)
@@ -283,22 +265,15 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
 
 
 def start_worker_background(cluster: Cluster) -> subprocess.Popen:
-    """Start this node's worker in a child process (node rank 0 runs it next to the controller).
-
-    The child runs ``python -m launch.bootstrap worker --host MY_IP --port PORT`` (this interpreter, the
-    repository root on PYTHONPATH, this process's stdout/stderr), gets SIGTERM when this process dies
-    (PR_SET_PDEATHSIG) and exits when the controller shuts the mesh down; :func:`stop` abandons it.
-    Returns at once (the worker needs about 1-2 s to import Monarch; :func:`attach` waits for it).
-    Raises OSError when the interpreter cannot be started.
-    """
+    """Start this node's worker (``python -m launch.bootstrap worker --host MY_IP --port PORT``, the
+    repository root on PYTHONPATH) in a child process that gets SIGTERM when this process dies
+    (PR_SET_PDEATHSIG); :func:`stop` ends it. Returns at once (the worker needs about 1-2 s to import
+    Monarch; :func:`attach` waits for it). Raises OSError when the interpreter cannot be started."""
     host = _resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     return subprocess.Popen([sys.executable, "-m", "launch.bootstrap", "worker", "--host", host,
                              "--port", str(cluster.port)], env=env, preexec_fn=_set_pdeathsig)
-
-
-# --------------------------------------------------------------------------- controller side
 
 
 async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
@@ -352,9 +327,6 @@ def host_slice(mesh: "HostMesh", i: int) -> "HostMesh":
     return mesh.slice(hosts=i)
 
 
-# --------------------------------------------------------------------------- CLI
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``worker`` runs a worker (blocks), ``show`` prints the Cluster as JSON."""
     p = argparse.ArgumentParser(prog="python -m launch.bootstrap", description=__doc__.split("\n")[0])
@@ -371,9 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(asdict(CLUSTER_FROM[a.source]())))
         return 0
     if a.source:
-        c = CLUSTER_FROM[a.source]()
-        if a.port:
-            c.port = a.port
+        c = CLUSTER_FROM[a.source](port=a.port or None)
     elif a.host:
         c = Cluster(node_rank=0, hosts=[a.host], port=a.port or int(os.environ.get(PORT_ENV, DEFAULT_PORT)))
     else:

@@ -2,10 +2,8 @@
 
     python -m launch.node --from slurm|sky RECIPE [overrides ...]
 
-Every node runs a Monarch worker. Node rank 0 also composes and checks the config, attaches to
-all workers (:func:`launch.bootstrap.attach`, bounded by ``--attach-timeout`` seconds) and runs the
-controller with the resulting host mesh, so the recipe's ``layout`` places each service on its
-node. A worker that never comes up fails rank 0 within the timeout, naming its address.
+Every node runs a Monarch worker. Node rank 0 also runs the controller on the host mesh of all
+workers, so the recipe's ``layout`` places each service on its node (:func:`run_node`).
 """
 
 from __future__ import annotations
@@ -82,12 +80,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run_node(a.source, a.recipe, a.overrides, a.attach_timeout)
         return 0
-    except (ConfigError, PreflightError) as e:
+    except (ConfigError, PreflightError, bootstrap.WorkerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except bootstrap.WorkerUnreachable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+        return 3 if isinstance(e, bootstrap.WorkerUnreachable) else 2
 
 
 if __name__ == "__main__":

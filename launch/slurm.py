@@ -5,34 +5,27 @@
     python -m launch.slurm cancel [JOB_ID]
     python -m launch.slurm status [JOB_ID]
 
-The recipe (recipes/<name>/config.yaml + overrides; NODES=n sets layout.nodes) gives the nodes, GPUs
-per node and which node hosts which service (layout.*); the profile (cluster/slurm/<profile>.yaml)
-gives partition, account, qos, cpus, memory, time limit, setup lines, attach timeout, ...
-
-The job is one sbatch allocation of ``layout.nodes`` nodes, one task per node, each running
-:class:`NodeTask` (pickled by submitit), i.e. :func:`launch.node.run_node` ``--from slurm``: every
-node runs a Monarch worker bound to its own address (:mod:`launch.bootstrap`); node rank 0 also runs
-the controller, which attaches to all workers and places the services as the layout says. The run
-directory is ``<output_dir>/<SLURM job id>``; submitit's files (sbatch script, pickles, per-task
-logs) are in its ``slurm/`` folder.
+The recipe (NODES=n sets layout.nodes) gives nodes, GPUs per node and which node hosts which service;
+the profile (cluster/slurm/<profile>.yaml, :class:`Profile`) gives partition, account, time limit, ...
+The job is one sbatch allocation, one task per node, each running :class:`NodeTask` (pickled by
+submitit), i.e. :func:`launch.node.run_node` ``--from slurm``. The run directory is
+``<output_dir>/<SLURM job id>``; submitit's files (sbatch script, pickles, per-task logs) are in its
+``slurm/`` folder.
 
 Preemption and time limits: SLURM signals ``USR2`` ``signal_delay_s`` seconds before the time limit
 and submitit's interrupt helper sends ``SIGTERM`` + ``USR2``; on rank 0 submitit then calls
 :meth:`NodeTask.checkpoint` and ``scontrol requeue``s the job. The requeued job keeps its id, so it
-resumes from the newest ``<run>/checkpoints/step_N`` (weights, AdamW state, RNG, data-loader
-position, replay buffer, step counter; metrics continue at step N+1), as after a plain ``scontrol
-requeue`` or a preemption with ``PreemptMode=REQUEUE``.
-
-Failures end the allocation: srun runs with ``--kill-on-bad-exit=1``, so when rank 0 fails (e.g. a
-worker not up within ``attach_timeout_s``, named in the error) the other tasks are killed at once.
+resumes from the newest ``<run>/checkpoints/step_N`` (metrics continue at step N+1), as after a plain
+``scontrol requeue`` or a preemption with ``PreemptMode=REQUEUE``. Failures end the allocation: srun
+runs with ``--kill-on-bad-exit=1``, so when rank 0 fails the other tasks are killed at once.
 
 Secrets (:data:`launch.common.SECRETS`) never enter SLURM's state: sbatch runs without them, with
 ``--export`` naming the other variables, and :func:`submit` writes them to :func:`secrets_file`
-(``~/.cache/forge-recipes/slurm-secrets/<job id>.json``, 0600 in a 0700 directory; home must be shared
-with the nodes), which every node's :class:`NodeTask` reads at start, also after a requeue. The file
-goes when the job completes and with ``make slurm-cancel``; a job that fails, runs out of requeues or
-is ``scancel``-ed directly leaves it until ``make slurm-cancel JOB=<id>``. No value is written into the
-sbatch script, submitit's pickles, the config, metrics or logs; submission refuses if one would be.
+(0600 in a 0700 directory; home must be shared with the nodes), which every node's :class:`NodeTask`
+reads at start, also after a requeue. The file goes when the job completes and with ``make
+slurm-cancel``; a job that fails, runs out of requeues or is ``scancel``-ed directly leaves it until
+``make slurm-cancel JOB=<id>``. No value is written into the sbatch script, submitit's pickles, the
+config, metrics or logs; submission refuses if one would be.
 """
 
 from __future__ import annotations
@@ -52,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping, Optional, Sequence
+from typing import Any, Mapping, MutableMapping, Optional, Sequence, get_args, get_type_hints
 
 from launch.common import SECRETS
 
@@ -67,9 +60,6 @@ class SlurmError(RuntimeError):
     """A submission problem the user can fix; the message says what and where."""
 
 
-# --------------------------------------------------------------------------- cluster profiles
-
-
 @dataclass
 class Profile:
     """A cluster profile, ``cluster/slurm/<name>.yaml``. Every key is optional; unknown keys fail.
@@ -79,13 +69,11 @@ class Profile:
             ``--account``, ``--qos``, ``--constraint`` (e.g. ``h100``).
         cpus_per_task: ``--cpus-per-task`` (one task per node, so: CPUs per node).
         mem_gb: ``--mem`` per node in GB (default: the partition's default).
-        time_min: ``--time`` in minutes.
-        exclusive: ``--exclusive`` (whole nodes).
+        time_min, exclusive: ``--time`` in minutes; ``--exclusive`` (whole nodes).
         setup: shell lines run by the batch script before ``srun`` (module load, source a venv, ...).
         signal_delay_s: USR2 this many seconds before the time limit, to requeue in time.
         max_requeues_on_timeout: requeues after hitting the time limit (preemptions do not count).
-        attach_timeout_s: seconds rank 0 waits for every node's Monarch worker, then fails the job naming
-            the missing hosts.
+        attach_timeout_s: seconds rank 0 waits for every node's Monarch worker (then fails, naming them).
         monarch_port: TCP port of the Monarch worker on every node.
         sbatch: extra sbatch options ``{option: value}`` (``true``: a flag), e.g. ``{reservation: foo}``;
             not ``export`` (the launcher's own: a profile's would be overridden, so it is refused).
@@ -107,9 +95,8 @@ class Profile:
     sbatch: dict = field(default_factory=dict)
 
 
-_TYPES = {"partition": str, "account": str, "qos": str, "cpus_per_task": int, "mem_gb": (int, float),
-          "time_min": int, "constraint": str, "exclusive": bool, "setup": list, "signal_delay_s": int,
-          "max_requeues_on_timeout": int, "attach_timeout_s": (int, float), "monarch_port": int, "sbatch": dict}
+# {key: the type(s) a profile value may have}: Optional[X] -> X, float -> int or float
+_TYPES = {k: (int, float) if float in (a := get_args(t) or (t,)) else a[0] for k, t in get_type_hints(Profile).items()}
 
 
 def available_profiles() -> list[str]:
@@ -137,7 +124,7 @@ def load_profile(name: str) -> tuple[Profile, Path]:
         raise SlurmError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise SlurmError(f"{path}: a profile is a mapping of keys to values, got {type(data).__name__}")
-    known = list(_TYPES)  # Profile's fields
+    known = list(_TYPES)
     for key, value in data.items():
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
@@ -163,9 +150,6 @@ def cluster_partitions() -> Optional[list[str]]:
     except (OSError, subprocess.SubprocessError):  # no sinfo here, or it hangs
         return None
     return sorted({line.strip() for line in p.stdout.splitlines() if line.strip()}) if p.returncode == 0 else None
-
-
-# --------------------------------------------------------------------------- what runs on each node
 
 
 class NodeTask:
@@ -245,9 +229,6 @@ class NodeTask:
         return submitit.helpers.DelayedSubmission(self)  # pickled without the SIGTERM time
 
 
-# --------------------------------------------------------------------------- secrets
-
-
 def secrets_file(job_id: str, env: Optional[Mapping[str, str]] = None) -> Path:
     """The job's secrets file ``DIR/<job_id>.json``: DIR is ``$FORGE_SLURM_SECRETS`` of ``env`` (on a
     node: what submit exported), else ``~/.cache/forge-recipes/slurm-secrets`` (mode 0700)."""
@@ -277,9 +258,6 @@ def assert_no_secrets(what: str, text: str) -> None:
             raise SlurmError(f"the value of ${name} would be written into {what}; pass secrets only through "
                              f"the environment (they reach the job through its secrets file), never in "
                              f"overrides or setup lines")
-
-
-# --------------------------------------------------------------------------- the job
 
 
 @dataclass
@@ -470,9 +448,6 @@ def cancel(job_id: str) -> str:
         path.unlink()
         done += f"; removed its secrets file {path}"
     return done
-
-
-# --------------------------------------------------------------------------- command line
 
 
 def _print_dry_run(spec: JobSpec) -> None:
