@@ -71,12 +71,6 @@ def run_dir(cfg: Any) -> str:
     return os.path.abspath(os.path.join(cfg.output_dir, rid))
 
 
-async def _run(cfg: Any, out: str, hosts: Any = None) -> dict:
-    from forge_core.controller import Controller
-
-    return await Controller(cfg, out, hosts=hosts).run()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the exit code (2 for config/pre-flight errors)."""
     p = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
@@ -88,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     from forge_core.config import ConfigError, load_config
-    from forge_core.controller import ActorFailed
+    from forge_core.controller import ActorFailed, Controller
     from forge_core.data import DataError
     from forge_core.models import ModelSourceError
 
@@ -122,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # with SIGINT ignored or blocked, which a parent's settings pass on (seen under pytest in CI)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        row = asyncio.run(_run(cfg, out))
+        row = asyncio.run(Controller(cfg, out).run())
         print(json.dumps({k: row[k] for k in ("step", "reward_mean", "accuracy", "loss", "elapsed_s") if k in row}))
         print(f"metrics: {out}/metrics.jsonl  plot: {out}/reward.png  final checkpoint: {out}/final")
         return 0
