@@ -1,7 +1,8 @@
 """Monarch actors: generator, reward, reference model, trainer, replay buffer. Each runs in its own process."""
 
+import contextlib
 import os
-import time
+import timeit
 from typing import Callable, Optional
 
 import torch
@@ -18,17 +19,11 @@ def setup_process(threads: int, seed: int) -> None:
 
 class CoreShare:
     """Shares this host's CPU cores among the run's actor processes that are computing right now
-    (``threads_per_actor: 0``). Each busy actor holds a file named after it in ``path``, a directory
-    every CPU actor of the run on this host shares; before each piece of work (a micro-batch, 16
-    decode steps) it sets its torch threads to ``cores // busy actors``, so an actor computing while
-    the others wait gets every core, and two computing at once get half each. With a fixed thread
-    count (``threads`` > 0) or no ``path`` it does nothing.
-
-    Args:
-        path: the shared directory (created if missing), or None.
-        name: this actor's name (its file).
-        threads: ``threads_per_actor``.
-    """
+    (``threads_per_actor: 0``). Each busy actor holds a file ``name`` in ``path``, a directory
+    (created if missing) every CPU actor of the run on this host shares; before each piece of work
+    (a micro-batch, 16 decode steps) it sets its torch threads to ``cores // busy actors``, so an
+    actor computing while the others wait gets every core, and two computing at once get half each.
+    With a fixed count (``threads``: ``threads_per_actor`` > 0) or no ``path`` it does nothing."""
 
     def __init__(self, path: Optional[str], name: str, threads: int):
         self.path = path if path and threads == 0 else None
@@ -41,10 +36,9 @@ class CoreShare:
         """Set torch's threads to this host's cores over its busy actors; returns the count."""
         if not self.path:
             return torch.get_num_threads()
-        try:
+        busy = 1
+        with contextlib.suppress(FileNotFoundError):
             busy = max(len(os.listdir(self.path)), 1)
-        except FileNotFoundError:
-            busy = 1
         n = max(self.cores // busy, 1)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
@@ -58,10 +52,8 @@ class CoreShare:
 
     def __exit__(self, *exc) -> None:
         if self.path:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.mark)
-            except FileNotFoundError:
-                pass
 
 
 def init_device(device: str, gpus: list, per_node: int, rank: int, world: int, port: int,
@@ -103,12 +95,7 @@ def matmul_probe(hidden: int, rows: int = 64, reps: int = 5) -> tuple[float, flo
     hardware support; where it has none, AVX2-only CPUs, bf16 runs ~60x slower)."""
     def best(a: torch.Tensor, b: torch.Tensor) -> float:
         a @ b  # warm-up (oneDNN picks its kernel)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
+        return min(timeit.repeat(lambda: a @ b, number=1, repeat=reps))
 
     a, b = torch.randn(rows, hidden), torch.randn(hidden, hidden)
     return best(a.bfloat16(), b.bfloat16()), best(a, b)
@@ -134,8 +121,8 @@ def resolve_dtype(setting: str, device: str, hidden: int, who: str,
         return _PROBED[hidden]
     t16, t32 = (probe or matmul_probe)(hidden)
     dt = torch.bfloat16 if t16 <= t32 else torch.float32
-    print(f"[forge] {who}: dtype auto -> {str(dt).removeprefix('torch.')} (a 64x{hidden} @ {hidden}x{hidden} matmul: bf16 "
-          f"{t16 * 1e3:.2f} ms, fp32 {t32 * 1e3:.2f} ms, {torch.get_num_threads()} thread(s))", flush=True)
+    print(f"[forge] {who}: dtype auto -> {str(dt).removeprefix('torch.')} (a 64x{hidden} @ {hidden}x{hidden} "
+          f"matmul: bf16 {t16 * 1e3:.2f} ms, fp32 {t32 * 1e3:.2f} ms, {torch.get_num_threads()} thread(s))", flush=True)
     if probe is None:
         _PROBED[hidden] = dt
     return dt
