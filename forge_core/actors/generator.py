@@ -25,9 +25,7 @@ from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_vi
 
 class _StopAfterAnswer:
     """transformers stopping criterion: a row is done once its text holds a full ``#### N`` line.
-
-    Records, per row, the response length (tokens) at which it stopped, so the caller can cut there.
-    """
+    Records, per row, the response length (tokens) at which it stopped, so the caller can cut there."""
 
     def __init__(self, tok, prompt_len: int, rows: int):
         self.tok, self.P = tok, prompt_len
@@ -60,8 +58,8 @@ class _Every16:
 
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max_prompt_tokens: int,
-                temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                seed: Optional[int] = None, stop_after_answer: bool = True, every16: Optional[Any] = None) -> list[dict]:
+                temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: Optional[int] = None,
+                stop_after_answer: bool = True, every16: Optional[Any] = None) -> list[dict]:
     """Sample ``n`` completions per prompt with transformers' ``generate``.
 
     Returns ``len(prompts) * n`` dicts (prompt-major order) with ``prompt_ids``, ``response_ids``
@@ -90,8 +88,7 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
         cache.batch_repeat_interleave(n)
     out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
                          output_logits=True, return_dict_in_generate=True, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id,
-                         stopping_criteria=StoppingCriteriaList(criteria) if criteria else None, **sampling)
+                         pad_token_id=tok.pad_token_id, stopping_criteria=StoppingCriteriaList(criteria), **sampling)
     seqs = out.sequences[:, P:]
     lps = torch.stack([torch.log_softmax(l.float() / (1.0 if greedy else temperature), -1)
                        .gather(-1, seqs[:, i:i + 1]).squeeze(-1) for i, l in enumerate(out.logits)], dim=1)
@@ -101,7 +98,7 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
         end = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else None
         if stop is not None and stop.stop_len[j] is not None and (end is None or stop.stop_len[j] < end):
             end = stop.stop_len[j]
-        r = ids[:end] if end is not None else ids
+        r = ids[:end]
         prompt = enc.input_ids[j // n][enc.attention_mask[j // n].bool()].tolist()
         results.append(dict(prompt_ids=prompt, response_ids=r, logprobs=lps[j, :len(r)].tolist(),
                             text=tok.decode(r, skip_special_tokens=True), truncated=end is None))
@@ -138,8 +135,7 @@ class Generator(Actor):
         seed, threads: process seed and torch threads.
         replica: this replica's name (``generator`` or ``generator_<i>``); its staged weights are
             registered under it (:data:`forge_core.weight_sync.RECEIVERS`).
-        cores_dir: with ``threads`` 0, where the run's CPU actors share this host's cores
-            (:class:`forge_core.actors.CoreShare`).
+        cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.CoreShare` directory.
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,

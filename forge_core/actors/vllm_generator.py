@@ -69,8 +69,9 @@ def hf_views_of_vllm(params: dict, layout: list, hf: dict, tp: int = 1) -> list:
     kvh = hf["num_key_value_heads"]
     q, I = hf["num_attention_heads"] * hd // tp, hf["intermediate_size"] // tp
     kv = kvh * hd // tp if kvh >= tp else hd
-    fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
-             "gate_proj": ("gate_up_proj", 0, I), "up_proj": ("gate_up_proj", I, 2 * I)}
+    fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv),
+             "v_proj": ("qkv_proj", q + kv, q + 2 * kv), "gate_proj": ("gate_up_proj", 0, I),
+             "up_proj": ("gate_up_proj", I, 2 * I)}
     out = []
     for name, shape, _ in layout:
         parts = name.split(".")
@@ -156,11 +157,8 @@ class VllmGenerator(Actor):
     """Rollout generation with vLLM (``generator.backend=vllm``).
 
     Args:
-        generator: the ``generator`` config section.
-        model: the ``model`` config section.
-        system_prompt: the chat system message.
-        seed, threads: process seed and torch threads.
-        replica: this replica's name (its staged weights are registered under it).
+        generator, model, system_prompt, seed, threads, replica: as for
+            :class:`~forge_core.actors.generator.Generator`.
         gpus: physical GPU indices of this node for this engine (TP = their number);
             ``CUDA_VISIBLE_DEVICES`` is set from them before CUDA starts.
         colocated: share the GPU with the trainer: sleep between generations (unless
@@ -235,13 +233,13 @@ class VllmGenerator(Actor):
         texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
         return [ids[-g.max_prompt_tokens:] for ids in self.tok(texts, add_special_tokens=False).input_ids]
 
-    def _sampling(self, n: int, max_tokens: int, ignore_eos: bool = False, seed: Optional[int] = None):
+    def _sampling(self, n: int, max_tokens: int, ignore_eos: bool = False):
         from vllm import SamplingParams
 
         g = self.g
         return SamplingParams(n=n, temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens, logprobs=0,
                               stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
-                              detokenize=False, seed=seed)
+                              detokenize=False)
 
     def _generate(self, prompts: list[list[int]], sp) -> list:
         from vllm.inputs import TokensPrompt
