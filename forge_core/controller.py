@@ -117,8 +117,7 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
     host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
     ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
     Prints every choice. Raises ValueError for an impossible explicit transport (``ipc`` across hosts)."""
-    t = svc.trainer
-    routes, leader, rank = [], {}, 0
+    t, routes, leader, rank = svc.trainer, [], {}, 0
     for i, g in enumerate(svc.generators):
         same = g.slot.host == t.slot.host
         if not same and g.slot.host in leader:
@@ -126,8 +125,7 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
             how, why = "follow", "loads its staged copy over ipc: the bytes cross to a node once"
             routes.append((how, leader[g.slot.host]))
         else:
-            src = t
-            how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
+            src, (how, why) = t, choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
             rank += how == "nccl"
             routes.append((how, rank if how == "nccl" else 0))
             if not same:
@@ -152,10 +150,8 @@ class Controller:
         self.rollout_stats: list[dict] = []
         self.last_rollouts: list[dict] = []
         self.changed = asyncio.Condition()
-        self.buffered = 0
-        self.rollouts_in_flight = 0  # batches generating or being finished (reward, reference, buffer)
-        self.paused = False  # set while a checkpoint is written
-        self.loading = False  # set while the replicas load a new version (rollouts wait: see rollout_loop)
+        self.buffered = self.rollouts_in_flight = 0  # the latter: batches generating or being finished
+        self.paused = self.loading = False  # set while a checkpoint is written; while the replicas load a version
         self.sync_task: Optional[asyncio.Task] = None
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
@@ -360,11 +356,9 @@ class Controller:
             t0 = time.perf_counter()
             episodes = await self._supervised("reward", "score", episodes)
             reward_s = time.perf_counter() - t0
-            ref_s = 0.0
             tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-            for lists, secs in await self._supervised("reference", "logprobs", episodes, tokens=tokens,
-                                                      all_ranks=True):
-                ref_s = max(ref_s, secs)
+            ranks = await self._supervised("reference", "logprobs", episodes, tokens=tokens, all_ranks=True)
+            for lists, _ in ranks:
                 for e, lp in zip(episodes, lists):
                     if lp is not None:
                         e.ref_logprobs = lp
@@ -377,7 +371,7 @@ class Controller:
             if cfg.advantage.drop_zero_variance:
                 episodes = [e for e in episodes if bool(keep[e.group])]
             size = await call("replay_buffer", s.buffer.add, episodes)
-            self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=ref_s, **adv_m))
+            self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=max(secs for _, secs in ranks), **adv_m))
             await self._set(buffered=size)
         except Exception as e:
             await self._set(rollout_error=e)
@@ -407,7 +401,6 @@ class Controller:
         load_timeout = self._deadline(self.B * cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
         failed: dict[int, ActorFailed] = {}  # replica -> its failed call of this sync
         staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
-        loaded: list = []
 
         async def guard(i: int, what: Any) -> Any:
             try:
@@ -485,12 +478,11 @@ class Controller:
         if self.svc is not None:
             await self.svc.stop()
 
-    async def start(self) -> float:
+    async def start(self) -> None:
         """Load the initial weights everywhere (resuming from the newest checkpoint when
         ``cfg.resume``): the reference takes the trainer's version 0 bit for bit, before a
         checkpoint overwrites the trainer's weights; every replica then loads the trainer's
-        current version. Returns seconds."""
-        t0 = time.perf_counter()
+        current version."""
         s = self.svc
         self.routes = sync_routes(s, self.cfg.weight_sync.transport)
         if self.cfg.device == "cpu":
@@ -513,7 +505,6 @@ class Controller:
         if ckpt:
             await self.restore(ckpt)
         await self.publish_and_sync()
-        return time.perf_counter() - t0
 
     async def _run(self, t_start: float) -> dict:
         cfg, s = self.cfg, self.svc

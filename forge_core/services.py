@@ -51,8 +51,7 @@ class ActorFailed(RunFailed):
 async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[float] = None) -> Any:
     """``await endpoint.call_one(*args)``, turning any failure (and a missed ``timeout_s`` deadline,
     in seconds) into :class:`ActorFailed` naming the actor (and, for a deadline, the seconds waited).
-    A cancellation (Ctrl-C) always propagates: Python 3.11's ``asyncio.wait_for`` returned the
-    answer instead when it arrived in the same loop iteration as the cancel, and the run went on."""
+    A cancellation (Ctrl-C) always propagates (Python 3.11's ``asyncio.wait_for`` could swallow it)."""
     try:
         async with asyncio.timeout(timeout_s):
             return await endpoint.call_one(*args)
@@ -155,13 +154,11 @@ class Services:
         if not self.stopping:
             self.faults.append(str(failure.report())[:2000])
 
-    def write_placement(self, path: str) -> dict:
+    def write_placement(self, path: str) -> None:
         """Write ``{service: {"hostname", "ips", "pid", ...}}`` of rank 0 of each service to ``path``
-        (JSON: actors.json) and return it."""
-        where = {s.name: s.where[0] for s in self.all()}
+        (JSON: actors.json)."""
         with open(path, "w") as f:
-            json.dump(where, f, indent=1)
-        return where
+            json.dump({s.name: s.where[0] for s in self.all()}, f, indent=1)
 
     async def respawn(self, name: str) -> Service:
         """Replace the service ``name`` (``generator[_i]``, ``reward`` or ``reference``) with a new

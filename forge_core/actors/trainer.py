@@ -121,8 +121,7 @@ class Trainer(Actor):
             sleeping colocated engine), for the activation-checkpointing estimate.
         shared_frac: fraction of this GPU's memory a colocated engine that never sleeps keeps
             (its ``gpu_memory_utilization``), for the same estimate.
-        cores_dir: with ``threads`` 0, the directory through which the run's CPU actors of this
-            host share its cores (:class:`forge_core.actors.CoreShare`).
+        cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.CoreShare` directory.
     """
 
     def __init__(self, trainer: dict, model: dict, loss: dict, *, device: str, publish_dtype: str, temperature: float,
@@ -367,9 +366,8 @@ class Trainer(Actor):
         os.makedirs(path, exist_ok=True)
         if self.rank == 0:
             save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-            cfg = dict(hf_config_dict(self.model_name), torch_dtype="float32")
             with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(cfg, f, indent=1)
+                json.dump(dict(hf_config_dict(self.model_name), torch_dtype="float32"), f, indent=1)
             with open(os.path.join(path, "trainer.json"), "w") as f:
                 json.dump({"version": self.version, "world": self.world}, f)
         if optimizer:
