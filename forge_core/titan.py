@@ -30,12 +30,10 @@ import torch
 
 from forge_core.models import hf_config_dict
 
-_STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
 
 def clean_name(name: str) -> str:
     """A parameter name without activation-checkpoint / compile / FSDP wrapper prefixes."""
-    for s in _STRIP:
+    for s in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(s, "")
     return name
 
@@ -334,9 +332,7 @@ def flops_per_token(spec: TitanSpec, seq_len: int) -> float:
     return 6 * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
 
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
-
-
 def peak_tflops(device_name: str) -> float:
-    """Dense bf16 datasheet peak of a GPU named like ``NVIDIA H100 80GB HBM3`` (0 if unknown)."""
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), 0.0)
+    """Dense bf16 datasheet peak (TFLOP/s) of a GPU named like ``NVIDIA H100 80GB HBM3`` (0 if unknown)."""
+    peaks = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+    return next((v for k, v in peaks.items() if k in device_name), 0.0)
