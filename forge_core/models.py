@@ -112,9 +112,7 @@ def hf_config_dict(name: str) -> dict:
     d.setdefault("architectures", ["LlamaForCausalLM"] if d.get("model_type") == "llama" else ["Qwen3ForCausalLM"])
     d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
     d.setdefault("rope_theta", 10000.0)
-    rp = dict(d.get("rope_scaling") or {}, rope_theta=d["rope_theta"])
-    rp.setdefault("rope_type", "default")
-    d["rope_parameters"] = rp
+    d["rope_parameters"] = {"rope_type": "default", **(d.get("rope_scaling") or {}), "rope_theta": d["rope_theta"]}
     return d
 
 
@@ -240,8 +238,7 @@ def load_tokenizer(cfg: Any):
     """
     from transformers import AutoTokenizer
 
-    spec = spec_of(cfg.name)
-    src_name = spec.tokenizer_from or cfg.name
+    src_name = spec_of(cfg.name).tokenizer_from or cfg.name
     smol = os.path.join(cache_dir(), "smollm2_135m-hf")  # its tokenizer files alone suffice here
     smol = smol if os.path.isfile(os.path.join(smol, "tokenizer.json")) else None
     try:
@@ -328,5 +325,4 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
             raise ModelSourceError(_hub_hint(cfg, e)) from None
     else:
         raise ValueError(f"model.init must be 'pretrained' or 'random', got {cfg.init!r}")
-    model.eval()
-    return model
+    return model.eval()
