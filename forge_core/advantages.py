@@ -17,9 +17,8 @@ class AdvantageConfig:
     """How rewards of a group of samples of one prompt become advantages.
 
     Attributes:
-        estimator: ``"zscore"`` (GRPO, arXiv:2402.03300 sec. 4.1.2), ``"mean"`` (Dr. GRPO,
-            arXiv:2503.20783: no std normalisation) or ``"rloo"`` (leave-one-out baseline,
-            Ahmadian et al., arXiv:2402.14740; Kool et al. 2019).
+        estimator: ``"zscore"`` (GRPO), ``"mean"`` (Dr. GRPO: no std normalisation) or ``"rloo"``
+            (leave-one-out baseline); :func:`group_advantages` gives each formula and its paper.
         eps: added to the group std by ``zscore``.
         drop_zero_variance: DAPO's dynamic-sampling filter (arXiv:2503.14476 eq. 11): drop
             groups whose rewards are all equal (they carry no signal), see
@@ -42,7 +41,7 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "zscore", eps: floa
     * ``zscore``: A_i = (R_i - m) / (s + eps)        GRPO, arXiv:2402.03300 sec. 4.1.2;
     * ``mean``:   A_i = R_i - m                       Dr. GRPO, arXiv:2503.20783 sec. 3.2;
     * ``rloo``:   A_i = R_i - 1/(G-1) sum_{j!=i} R_j = G/(G-1) (R_i - m)
-      (REINFORCE leave-one-out, arXiv:2402.14740 eq. 5).
+      (REINFORCE leave-one-out, arXiv:2402.14740 eq. 5; Kool et al. 2019).
 
     A group whose rewards are all exactly equal is flagged ``zero_variance`` and gets
     advantages exactly 0 with every estimator (DAPO, arXiv:2503.14476: such groups give no

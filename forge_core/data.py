@@ -1,11 +1,7 @@
-"""Prompt sources: GSM8K from the HF hub (default) or from local JSONL files, and chat formatting.
-
-A local copy is a directory holding ``train.jsonl`` and ``test.jsonl`` in the original GSM8K
-format (one ``{"question": ..., "answer": "... #### N"}`` object per line). Point at one with
-``data.dir=/path`` or the ``GSM8K_DIR`` environment variable; with neither set the hub is used.
-
-Bad rows are errors, not skips: a row that is not JSON, lacks ``question``/``answer``, or whose
-answer has no ``#### N`` line raises :class:`DataError` naming the file and line number.
+"""Prompt sources: GSM8K from the HF hub or from a local copy (a directory of ``train.jsonl`` and
+``test.jsonl`` in the original format, one ``{"question": ..., "answer": "... #### N"}`` object per
+line; see :class:`DataConfig`), and chat formatting. Bad rows are errors (:class:`DataError` naming
+the file and line), not skips.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from forge_core.actors.generator import hf_generate
 from forge_core.data import chat_prompt, load_gsm8k
-from forge_core.models import load_model, load_tokenizer
+from forge_core.models import gqa_sdpa, hf_config_dict, load_model, load_tokenizer
 from forge_core.rewards import extract_answer
 
 
@@ -24,7 +24,6 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     "format_rate", "n", "seconds", "model"}``. Raises FileNotFoundError if ``ckpt`` is given but holds
     no ``config.json``."""
     from forge_core.actors import resolve_dtype
-    from forge_core.models import gqa_sdpa, hf_config_dict
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
