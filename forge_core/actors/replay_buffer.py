@@ -20,11 +20,9 @@ class ReplayBuffer:
     """
 
     def __init__(self, capacity: int, max_staleness: int):
-        self.capacity = capacity
-        self.max_staleness = max_staleness
+        self.capacity, self.max_staleness = capacity, max_staleness
         self.items: deque[Episode] = deque()
-        self.evicted_stale = 0
-        self.evicted_capacity = 0
+        self.evicted_stale = self.evicted_capacity = 0
 
     def add(self, episodes: list[Episode]) -> None:
         """Append episodes, evicting the oldest beyond ``capacity``."""
@@ -33,18 +31,12 @@ class ReplayBuffer:
             self.items.popleft()
             self.evicted_capacity += 1
 
-    def evict_stale(self, step: int) -> int:
-        """Drop episodes too old for training step ``step``; returns how many were dropped."""
-        before = len(self.items)
-        self.items = deque(e for e in self.items if step - e.policy_version <= self.max_staleness)
-        n = before - len(self.items)
-        self.evicted_stale += n
-        return n
-
     def sample(self, n: int, step: int) -> Optional[list[Episode]]:
         """The ``n`` oldest usable episodes for training step ``step`` (removed), or ``None`` if
         fewer than ``n`` are usable (nothing is removed then, except stale episodes)."""
-        self.evict_stale(step)
+        before = len(self.items)
+        self.items = deque(e for e in self.items if step - e.policy_version <= self.max_staleness)
+        self.evicted_stale += before - len(self.items)
         if len(self.items) < n:
             return None
         return [self.items.popleft() for _ in range(n)]

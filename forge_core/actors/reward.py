@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from monarch.actor import Actor, endpoint
 
 from forge_core.episode import Episode
@@ -19,13 +21,12 @@ class RewardActor(Actor):
         self.cfg = RewardConfig(**reward_cfg)
         self.extra = None
         if self.cfg.fn:
-            import importlib
-
             mod, _, name = self.cfg.fn.partition(":")
             try:
                 self.extra = getattr(importlib.import_module(mod), name)
             except (ImportError, AttributeError, ValueError) as e:
-                raise ValueError(f"reward.fn={self.cfg.fn!r}: cannot import it ({e}); expected 'package.module:function'")
+                raise ValueError(f"reward.fn={self.cfg.fn!r}: cannot import it ({e}); "
+                                 f"expected 'package.module:function'")
 
     @endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:

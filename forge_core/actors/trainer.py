@@ -112,8 +112,7 @@ class Trainer(Actor):
         max_response_tokens: the generation budget (Dr. GRPO's fixed horizon).
         seq_len: longest prompt + response (tokens).
         seed, threads: process seed and torch threads.
-        gpus: physical GPU indices of this node, one per rank (CUDA).
-        per_node: GPUs on this node.
+        gpus, per_node: physical GPU indices of this node, one per rank (CUDA); GPUs on this node.
         port: ``torch.distributed`` rendezvous port of the ranks (several GPUs).
         addr: this host's address as the generators' hosts reach it (nccl weight transfer).
         weight_sync: the ``weight_sync`` config section (bucket size, timeout).
