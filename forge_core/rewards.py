@@ -32,14 +32,15 @@ def normalize_number(text: str) -> Optional[str]:
     """Canonical string for a number written in free text, or ``None`` if it is not one.
 
     ``"$1,234.50"`` -> ``"1234.5"``, ``"-3."`` -> ``"-3"``, ``"\u22127"`` -> ``"-7"``,
-    ``"12.000"`` -> ``"12"``, ``"+4"`` -> ``"4"``, ``"0.50"`` -> ``"0.5"``.
+    ``"12.000"`` -> ``"12"``, ``"+4"`` -> ``"4"``, ``"0.50"`` -> ``"0.5"``; ``None`` too for a
+    number of over 1,000 digits (``"1e5000"``: Python's int-to-str limit).
     """
     s = re.sub("[, $€£]", "", text.strip().replace("\u2212", "-")).rstrip(".").removeprefix("+")
     try:
         d = Decimal(s)
     except InvalidOperation:
         return None
-    if not d.is_finite():
+    if not d.is_finite() or d.adjusted() > 1000:
         return None
     if d == d.to_integral_value():
         return str(int(d))

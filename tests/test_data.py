@@ -51,6 +51,8 @@ def test_bad_json_and_missing_field(tmp_path):
         load_jsonl(str(tmp_path / "b.jsonl"))
     with pytest.raises(DataError, match="not a number"):
         parse_row({"question": "q", "answer": "#### many"}, "x:1")
+    with pytest.raises(DataError, match="x:2: the text after '####' is not a number"):  # not Python's digit limit
+        parse_row({"question": "q", "answer": "#### 1e5000"}, "x:2")
 
 
 def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):

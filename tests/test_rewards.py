@@ -54,7 +54,8 @@ def test_at_least_thirty_cases():
 
 
 @pytest.mark.parametrize("raw,norm", [("1,234", "1234"), ("$5.00", "5"), ("-3.", "-3"), ("0.50", "0.5"),
-                                      ("\u22122", "-2"), ("abc", None), ("", None), ("-", None)])
+                                      ("\u22122", "-2"), ("abc", None), ("", None), ("-", None),
+                                      ("1e5000", None)])
 def test_normalize(raw, norm):
     assert normalize_number(raw) == norm
 
