@@ -315,10 +315,8 @@ class Controller:
         return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
 
     async def rollout_loop(self) -> None:
-        """Produce rollout batches until cancelled (see the module docstring): generate batch k,
-        then finish it (reward, reference, advantages, buffer) in a task while batch k+1 generates,
-        so the reference's forward is hidden behind the next generation. One batch is finished at a
-        time, in order, so the buffer sees the same batches in the same order. A failure is handed
+        """Produce rollout batches until cancelled (see the module docstring), finishing one at a time
+        in a task, in order, so the buffer sees the same batches in the same order. A failure is handed
         to the training loop (``rollout_error``), which raises it."""
         finishing: Optional[asyncio.Task] = None
         try:
@@ -386,10 +384,9 @@ class Controller:
             await self._sync_locked()
 
     async def _sync_locked(self) -> None:
-        """Publish (starting the nccl broadcast when a route needs it), then network receivers fetch
-        (while generating), then every replica loads between two generate calls (routes:
-        :func:`sync_routes`). A replica that dies or hangs meanwhile is respawned and the whole
-        version published and loaded again (a new nccl group)."""
+        """Publish (starting the nccl broadcast when a route needs it), fetch and load one version (see
+        the module docstring; routes: :func:`sync_routes`). A replica that dies or hangs meanwhile is
+        respawned and the whole version published and loaded again (a new nccl group)."""
         cfg, gens, routes = self.cfg, self.svc.generators, self.routes
         nccl = sum(t == "nccl" for t, _ in routes)  # group members besides the trainer
         handle = await call("trainer", self.svc.trainer.publish, any(t == "rdma" for t, _ in routes),

@@ -44,18 +44,6 @@ class _StopAfterAnswer:
         return done
 
 
-class _Every16:
-    """transformers stopping criterion that never stops: calls ``fn`` every 16 decode steps."""
-
-    def __init__(self, fn: Any, prompt_len: int):
-        self.fn, self.P = fn, prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
-        if (input_ids.shape[1] - self.P) % 16 == 0:
-            self.fn()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max_prompt_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: Optional[int] = None,
@@ -77,7 +65,13 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     P = enc.input_ids.shape[1]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     stop = _StopAfterAnswer(tok, P, len(prompts) * n) if stop_after_answer else None
-    criteria = [c for c in (stop, _Every16(every16, P) if every16 else None) if c is not None]
+
+    def tick(input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:  # a criterion that never stops
+        if (input_ids.shape[1] - P) % 16 == 0:
+            every16()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    criteria = [c for c in (stop, tick if every16 else None) if c is not None]
     ids, mask = enc.input_ids.repeat_interleave(n, 0), enc.attention_mask.repeat_interleave(n, 0)
     cache = None
     if n > 1 and P > 1:  # the prompt's KV cache once per group, not once per sample

@@ -229,16 +229,14 @@ class VllmGenerator(Actor):
     # ---- generation ---------------------------------------------------------------------------
     def prompt_ids(self, problems: list[Problem]) -> list[list[int]]:
         """Chat-formatted, tokenized prompts, left-truncated to ``generator.max_prompt_tokens``."""
-        g = self.g
         texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
-        return [ids[-g.max_prompt_tokens:] for ids in self.tok(texts, add_special_tokens=False).input_ids]
+        return [ids[-self.g.max_prompt_tokens:] for ids in self.tok(texts, add_special_tokens=False).input_ids]
 
     def _sampling(self, n: int, max_tokens: int, ignore_eos: bool = False):
         from vllm import SamplingParams
 
-        g = self.g
-        return SamplingParams(n=n, temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens, logprobs=0,
-                              stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
+        return SamplingParams(n=n, temperature=self.g.temperature, top_p=self.g.top_p, max_tokens=max_tokens,
+                              logprobs=0, stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
                               detokenize=False)
 
     def _generate(self, prompts: list[list[int]], sp) -> list:
@@ -251,12 +249,11 @@ class VllmGenerator(Actor):
         """G episodes per problem (problem-major order) and ``{"gen_s", "gen_tokens", "gen_tok_s",
         "wake_s", "sleep_s"}``. vLLM's sampler is seeded once per engine (``seed`` of the run):
         per-request seeds would make its sampler loop over requests, so ``seed`` is recorded only."""
-        g = self.g
         async with self.lock:
             wake_s = self._wake(["weights", "kv_cache"])
             t0 = time.perf_counter()
             prompts = self.prompt_ids(problems)
-            outs = self._generate(prompts, self._sampling(g.group_size, g.max_response_tokens))
+            outs = self._generate(prompts, self._sampling(self.g.group_size, self.g.max_response_tokens))
             dt = time.perf_counter() - t0
             sleep_s = self._sleep()
         eps = self._episodes(outs, prompts, problems)
@@ -292,10 +289,9 @@ class VllmGenerator(Actor):
     # ---- weights ------------------------------------------------------------------------------
     @endpoint
     async def update_weights(self, handle: WeightHandle, staged: bool = False) -> dict:
-        """Apply weight version ``handle.version`` in place (no engine restart), then reset the
-        prefix cache: from ``handle``'s same-host buffer, or, with ``staged``, from the bytes this
-        process's ``WeightReceiver`` fetched. Returns ``{"version", "sync_s", "sync_gb_s", "mode",
-        "wake_s"}``; ``sync_s`` is the load alone (the time generation waits; wake-up reported apart)."""
+        """Apply weight version ``handle.version`` in place (see the module docstring) from ``handle``'s
+        same-host buffer or, with ``staged``, this process's ``WeightReceiver``'s bytes. Returns ``{"version",
+        "sync_s" (the load alone: what generation waits; wake-up apart), "sync_gb_s", "mode", "wake_s"}``."""
         from forge_core.weight_sync import RECEIVERS
 
         if staged:
@@ -306,8 +302,7 @@ class VllmGenerator(Actor):
             r = self.llm.apply_model(partial(_load, handle=_local(handle), bucket_bytes=self.bucket_bytes))[0]
             self.llm.reset_prefix_cache()
             dt = time.perf_counter() - t0
-            self.version = handle.version
-            self.layout, self.handle = handle.layout, handle
+            self.version, self.layout, self.handle = handle.version, handle.layout, handle
         return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9, "wake_s": wake_s,
                 "mode": ("staged_" if staged else "") + r["mode"]}
 
