@@ -277,17 +277,16 @@ def start_worker_background(cluster: Cluster) -> subprocess.Popen:
 
 
 async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
-    """Attach the controller (this process) to every worker; return the initialized HostMesh.
+    """Attach the controller (this process) to every worker; return the initialized HostMesh (one
+    dimension ``hosts`` in rank order, :func:`host_slice`; ``await mesh.shutdown()`` ends every worker).
 
-    Enables Monarch's TCP transport at ``tcp://CONTROLLER_IP:0`` first (the address reaching ``hosts[0]``).
-    Workers may start before or after this call: it waits up to ``timeout_s`` seconds (wall clock) for
-    every worker port to accept TCP, then the rest of the budget for the mesh to initialize. The mesh has
-    one dimension ``hosts`` in rank order (:func:`host_slice`); ``await mesh.shutdown()`` ends every worker.
+    Enables Monarch's TCP transport at ``tcp://CONTROLLER_IP:0`` (the address reaching ``hosts[0]``),
+    then waits up to ``timeout_s`` seconds (wall clock) for every worker port to accept TCP (workers may
+    start before or after this call), and the rest of the budget for the mesh to initialize.
 
     Raises:
         WorkerUnreachable (a TimeoutError): some workers were not up within ``timeout_s``; the message
-            names each as ``IP:PORT``. Workers that were up are shut down first (a few seconds more), so
-            this call leaves no process behind.
+            names each as ``IP:PORT``. Workers that were up are shut down first, leaving no process behind.
         OSError: ``hosts[0]`` has no route from here. Monarch raises when another transport was enabled.
     """
     from monarch.actor import attach_to_workers, enable_transport

@@ -24,16 +24,14 @@ from launch.sky_node import DEFAULT_CKPT_DIR, ROOT, SkyError, relpath
 
 
 def _task_file(recipe_or_yaml: str) -> tuple[str, str]:
-    """``(recipe folder, its sky.yaml)`` from a recipe name, a folder or a sky.yaml path."""
-    from forge_core.config import ConfigError, recipe_dir
+    """``(recipe folder, its sky.yaml)`` from a recipe name, a folder or a sky.yaml path.
+    Raises ConfigError (no such recipe) or SkyError (no sky.yaml)."""
+    from forge_core.config import recipe_dir
 
     p = recipe_or_yaml
     if p.endswith((".yaml", ".yml")) and os.path.isfile(p):
         return os.path.dirname(os.path.abspath(p)), os.path.abspath(p)
-    try:
-        folder = recipe_dir(p)
-    except ConfigError as e:
-        raise SkyError(str(e)) from None
+    folder = recipe_dir(p)
     yaml_path = os.path.join(folder, "sky.yaml")
     if not os.path.isfile(yaml_path):
         raise SkyError(f"recipe {p!r} has no sky.yaml ({yaml_path})")
@@ -58,14 +56,12 @@ def task_config(yaml_path: str, recipe_env: str, bucket: Optional[str] = None,
         cfg = yaml.safe_load(f)
     if not isinstance(cfg, dict):
         raise SkyError(f"{yaml_path}: not a SkyPilot task (a YAML mapping)")
-    cfg = copy.deepcopy(cfg)
     envs = cfg["envs"] = {**(cfg.get("envs") or {}), "FORGE_RECIPE": recipe_env,
                           **({"FORGE_ARGS": forge_args} if forge_args else {})}
     if bucket:
         mount = envs.get("FORGE_CKPT_DIR") or DEFAULT_CKPT_DIR
-        fm = dict(cfg.get("file_mounts") or {})
-        fm[mount] = {"name": bucket, "mode": "MOUNT"} if "://" not in bucket else {"source": bucket, "mode": "MOUNT"}
-        cfg["file_mounts"] = fm
+        cfg["file_mounts"] = {**(cfg.get("file_mounts") or {}),
+                              mount: {("source" if "://" in bucket else "name"): bucket, "mode": "MOUNT"}}
     return cfg
 
 
@@ -90,11 +86,8 @@ def redacted_yaml(task) -> str:
     class _Dumper(yaml.SafeDumper):  # multi-line scripts as literal blocks, as in the task file
         pass
 
-    def _str(dumper, s):
-        style = "|" if "\n" in s else None
-        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style=style)
-
-    _Dumper.add_representer(str, _str)
+    _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                                 style="|" if "\n" in s else None))
     return yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
 
 
@@ -108,12 +101,11 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
            extra: Sequence[str] = (), env: Optional[Mapping[str, str]] = None) -> int:
     """``make sky``: check locally, then ``sky launch -c CLUSTER TASK --env FORGE_RECIPE=... --secret ...``.
 
-    Local checks, before any cloud call: the recipe's config (with ``forge_args``) composes; a gated
-    model has HF_TOKEN; SkyPilot parses the task file. Secrets are passed with ``--secret NAME``
-    (value from this environment) only when set here. With ``bucket`` the task gets the checkpoint
-    mount (``FORGE_CKPT_DIR``, mode MOUNT) and is launched from a derived task file. ``dry_run``
-    prints the command and the task as SkyPilot parsed it (secrets redacted) and launches nothing.
-    Returns the exit code.
+    Checks first, before any cloud call, that the config (with ``forge_args``) composes, a gated
+    model has HF_TOKEN and SkyPilot parses the task file. Secrets set here go as ``--secret NAME``
+    (value from this environment). ``bucket``: a derived task file adds the checkpoint mount
+    (``FORGE_CKPT_DIR``, mode MOUNT). ``dry_run``: print the command and the parsed task (secrets
+    redacted), launch nothing. Returns the exit code.
     """
     from forge_core.config import ConfigError, load_config
     from forge_core.models import gated_without_token
@@ -145,11 +137,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     name = cluster or cluster_name(folder)
     cmd = [_sky_bin(), "jobs", "launch", "-n", name] if managed else [_sky_bin(), "launch", "-c", name]
     cmd += [relpath(entry), "--env", f"FORGE_RECIPE={rel}"]
-    if forge_args:
-        cmd += ["--env", f"FORGE_ARGS={forge_args}"]
-    for k in secrets:
-        cmd += ["--secret", k]
-    cmd += list(extra)
+    cmd += ["--env", f"FORGE_ARGS={forge_args}"] if forge_args else []
+    cmd += [x for k in secrets for x in ("--secret", k)] + list(extra)
     shown = shlex.join(["sky"] + cmd[1:])
     try:
         if not dry_run:
@@ -174,9 +163,6 @@ def down(recipe: str, cluster: Optional[str] = None, yes: bool = False) -> int:
     cmd = [_sky_bin(), "down", name] + (["-y"] if yes else [])
     print(f"+ {shlex.join(['sky'] + cmd[1:])}", flush=True)
     return subprocess.call(cmd)
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

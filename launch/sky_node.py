@@ -3,13 +3,11 @@
     python -m launch.sky_node check [--gpu]   # end of the task's setup: section
     python -m launch.sky_node run             # the task's run: section
 
-Every node reads ``SKYPILOT_NODE_RANK`` and ``SKYPILOT_NODE_IPS`` (newline-separated, rank order)
-through :func:`launch.bootstrap.cluster_from_sky`, checks the config, then hands over to
-:mod:`launch.node`: node 0 runs a Monarch worker and the controller, which attaches to every
-node's worker; every other node runs a worker. A worker node also watches node 0's worker port and
-exits (code 3, naming node 0's address) when node 0 never comes up within ``FORGE_ATTACH_TIMEOUT``
-seconds, or goes away without shutting the mesh down, so no process is left behind by a failed
-controller. The client side (``make sky``) is :mod:`launch.sky`.
+Every node finds its rank and the node IPs with :func:`launch.bootstrap.cluster_from_sky`, checks
+the config, then hands over to :mod:`launch.node` (node 0: worker and controller; others: a worker).
+A worker node exits (code 3, naming node 0's address) when node 0's worker port does not open
+within ``FORGE_ATTACH_TIMEOUT`` seconds or closes without a mesh shutdown, so a failed controller
+leaves no process behind. The client side (``make sky``) is :mod:`launch.sky`.
 
 Task environment (declared in every ``sky.yaml``; override with ``--env NAME=VALUE``):
 
@@ -20,32 +18,28 @@ Task environment (declared in every ``sky.yaml``; override with ``--env NAME=VAL
     FORGE_ATTACH_TIMEOUT  seconds node 0 waits for all workers (default 300)
     HF_TOKEN, WANDB_API_KEY  secrets (``--secret NAME``); empty means unset. A WANDB_API_KEY turns
                           wandb logging on (WANDB_MODE=online) unless WANDB_MODE says otherwise.
-    FORGE_PYTHON          interpreter of the run: section (default ~/forge-venv/bin/python, the
-                          venv that setup: builds)
+    FORGE_PYTHON          interpreter of the run: section (default ~/forge-venv/bin/python, built by setup:)
 
-Run id and recovery: the run id is ``FORGE_RUN_ID``, else ``SKYPILOT_TASK_ID``. SkyPilot keeps
-the task id across a managed job's recoveries (``sky jobs launch``), and the controller resumes
-from ``<output_dir>/<run id>/checkpoints/`` when it holds a checkpoint, so a recovered job on a new
-cluster continues from the last checkpoint in the bucket. Without a bucket the run directory is on
-the cluster's own disk (``~/sky_workdir/runs/<recipe>/<run id>``) and a recovery starts over.
+Run id and recovery: the run id is ``FORGE_RUN_ID``, else ``SKYPILOT_TASK_ID``, which a managed
+job (``sky jobs launch``) keeps across recoveries; the controller resumes from the newest checkpoint
+in ``<output_dir>/<run id>/checkpoints/``, so a recovered job continues from the bucket. Without a
+bucket the run directory is on the cluster's disk (``~/sky_workdir/runs/<recipe>/<run id>``) and a
+recovery starts over.
 
 Which recipe does a task run? (decision)
     SkyPilot 0.14.1 resolves ``workdir: .`` against the *current directory* of ``sky launch``
-    (``Task.expand_and_validate_workdir`` calls ``os.path.abspath``), not against the task file's
-    folder, and it sends the cluster the task file's *contents*, never its path (checked in
-    sky/task.py, sky/utils/dag_utils.py, sky/backends/task_codegen.py). So ``sky launch`` runs
-    from the repository root, the whole repository is the workdir, and the recipe is:
+    (``Task.expand_and_validate_workdir``) and sends the cluster the task file's *contents*, never
+    its path (sky/task.py, sky/utils/dag_utils.py, sky/backends/task_codegen.py). So ``sky launch``
+    runs from the repository root, the whole repository is the workdir, and the recipe is:
 
-    1. ``FORGE_RECIPE`` when set: ``make sky RECIPE=x`` always sets it, and so does the client-side
-       policy of a plain ``sky launch recipes/x/sky.yaml`` (:mod:`launch.sky_policy`), so an
-       unchanged copy runs itself; ``--env FORGE_RECIPE=x`` overrides both.
+    1. ``FORGE_RECIPE`` when set: by ``make sky RECIPE=x``, by the client-side policy of a plain
+       ``sky launch recipes/x/sky.yaml`` (:mod:`launch.sky_policy`), or by ``--env FORGE_RECIPE=x``
+       (which wins over both), so an unchanged copy runs itself.
     2. Otherwise (the Python API, a ``sky`` run elsewhere) the recipe folder under ``recipes/``
-       (with a config.yaml and a sky.yaml) whose layout, after ``FORGE_ARGS``, matches the cluster
-       SkyPilot gave the task (``SKYPILOT_NUM_NODES`` x ``SKYPILOT_NUM_GPUS_PER_NODE``): every
-       shipped recipe has its own shape.
-    3. Several folders fit (a copy fits wherever its original does) or none: the run stops,
-       listing them and saying to pass ``FORGE_RECIPE``. ``setup:`` ends with the same check, so
-       this fails before the run starts.
+       (with config.yaml and sky.yaml) whose layout, after ``FORGE_ARGS``, matches the cluster
+       (``SKYPILOT_NUM_NODES`` x ``SKYPILOT_NUM_GPUS_PER_NODE``): every shipped recipe has its own shape.
+    3. Several folders fit (a copy fits wherever its original does) or none: the run stops, listing
+       them and saying to pass ``FORGE_RECIPE``; ``setup:`` ends with the same check.
 
     Rejected: naming the recipe inside sky.yaml (a copy would silently run the original);
     resolving by modification time (silently wrong).
@@ -54,6 +48,7 @@ Which recipe does a task run? (decision)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import subprocess
@@ -74,9 +69,6 @@ CPU_VERSIONS = {"torch": "2.13.", "torchmonarch": "0.7.0", "torchtitan": "0.2.2"
 
 class SkyError(RuntimeError):
     """A launch or a task cannot go on; the message says why and what to do."""
-
-
-# --------------------------------------------------------------------------- recipes
 
 
 def candidate_recipes(root: str = ROOT) -> list[str]:
@@ -137,13 +129,9 @@ def resolve_recipe(nodes: int, gpus_per_node: int, overrides: Sequence[str] = ()
         return fits[0]
     if not fits:
         extra = f"; not loadable: {', '.join(skipped)}" if skipped else ""
-        raise SkyError(f"no recipe under recipes/ has the layout of this "
-                       f"cluster ({shape}){extra}. {how}")
+        raise SkyError(f"no recipe under recipes/ has the layout of this cluster ({shape}){extra}. {how}")
     raise SkyError(f"several recipes fit this cluster ({shape}): "
                    f"{', '.join(relpath(d, root) for d in fits)}. {how}")
-
-
-# --------------------------------------------------------------------------- the task on a node
 
 
 def _task_env(env: MutableMapping[str, str]) -> None:
@@ -170,9 +158,7 @@ def run_worker_node(cluster, timeout_s: float, grace_s: float = 30.0, poll_s: fl
     deadline = time.monotonic() + timeout_s
     seen, gone_since, why = False, None, None
     try:
-        while True:
-            if (rc := proc.poll()) is not None:
-                return rc
+        while (rc := proc.poll()) is None:
             now = time.monotonic()
             if port_open(head, port):
                 seen, gone_since = True, None
@@ -186,10 +172,9 @@ def run_worker_node(cluster, timeout_s: float, grace_s: float = 30.0, poll_s: fl
             if why:
                 print(f"error: {why}", file=sys.stderr, flush=True)
                 return 3
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=poll_s)
-            except subprocess.TimeoutExpired:
-                pass
+        return rc
     finally:
         bootstrap.stop(proc)
 
@@ -216,10 +201,9 @@ def run(argv: Sequence[str] = (), env: Optional[MutableMapping[str, str]] = None
     try:
         recipe = resolve_recipe(cluster.num_nodes, int(env.get("SKYPILOT_NUM_GPUS_PER_NODE") or 0),
                                 overrides, env)
-        name = os.path.basename(recipe)
         ckpt = env.get("FORGE_CKPT_DIR", DEFAULT_CKPT_DIR)
         if ckpt and os.path.isdir(ckpt) and not any(o.startswith("output_dir=") for o in overrides):
-            overrides.append(f"output_dir={os.path.join(ckpt, name)}")
+            overrides.append(f"output_dir={os.path.join(ckpt, os.path.basename(recipe))}")
         cfg = load_config(recipe, overrides)  # every node: a bad key fails here, on every node
         if gated := gated_without_token(cfg.model, env):
             raise SkyError(gated)
@@ -274,9 +258,6 @@ def check(gpu: bool, env: Optional[Mapping[str, str]] = None) -> int:
         print("error: setup check failed:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1
     return 0
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,21 +5,14 @@ A task file's path is only known where ``sky launch`` runs (why that matters: th
 every ``sky launch``, ``sky exec`` and ``sky jobs launch`` before the request leaves the client and
 strips it from the config it sends, so no API server ever imports this module.
 
-What it does, for a task whose ``FORGE_RECIPE`` is empty (an explicit ``--env FORGE_RECIPE=x``,
-or ``make sky``, always wins):
-
-1. finds the task file on the command line (``sys.argv``: the one existing ``*.yaml``/``*.yml``
-   whose ``run:`` is the parsed task's);
-2. when that file sits in a recipe folder (one holding ``config.yaml``) inside the task's workdir,
-   sets ``FORGE_RECIPE`` to the folder, relative to the workdir (``recipes/my_exp``), and prints
-   one line saying so;
-3. rejects the request, before anything is provisioned, when the folder is outside the workdir
-   (the cluster would not get its config) or when its model is gated and no ``HF_TOKEN`` secret is
-   given (``--secret HF_TOKEN``).
-
-Tasks that are not launched from a file in a recipe folder (other projects' tasks, the Python
-API, ``make sky``'s derived files) pass through unchanged; the cluster side then falls back to the
-layout match in :func:`launch.sky_node.resolve_recipe`.
+For a task whose ``FORGE_RECIPE`` is empty (an explicit ``--env FORGE_RECIPE=x``, or ``make sky``,
+always wins) launched from a task file (:func:`task_file_from_argv`) in a recipe folder (one holding
+``config.yaml``) inside the task's workdir, it sets ``FORGE_RECIPE`` to the folder relative to the
+workdir (``recipes/my_exp``) and prints one line saying so. It rejects the request, before anything
+is provisioned, when the folder is outside the workdir (the cluster would not get its config) or its
+model is gated and no ``HF_TOKEN`` secret is given (``--secret HF_TOKEN``). Other tasks (other
+projects', the Python API, ``make sky``'s derived files) pass through unchanged; the cluster side
+then falls back to the layout match in :func:`launch.sky_node.resolve_recipe`.
 
 Imports only the standard library and SkyPilot at module level, so any Python that has SkyPilot
 and this repository on its path (``make venv``; or ``pip install --no-deps -e .``) can load it.
@@ -35,8 +28,6 @@ from typing import Optional, Sequence
 import sky
 from sky import exceptions
 
-TASK_SUFFIXES = (".yaml", ".yml")
-
 
 def task_file_from_argv(argv: Sequence[str], run: Optional[str]) -> Optional[str]:
     """The task file named on the command line (absolute path), or None.
@@ -49,7 +40,7 @@ def task_file_from_argv(argv: Sequence[str], run: Optional[str]) -> Optional[str
 
     found = []
     for a in argv[1:]:
-        if a.startswith("-") or not a.endswith(TASK_SUFFIXES) or not os.path.isfile(a):
+        if a.startswith("-") or not a.endswith((".yaml", ".yml")) or not os.path.isfile(a):
             continue
         try:
             with open(a, encoding="utf-8") as f:
@@ -91,16 +82,14 @@ class RecipeFromTaskPath(sky.AdminPolicy):
     def validate_and_mutate(cls, user_request: sky.UserRequest) -> sky.MutatedUserRequest:
         """SkyPilot's hook: the request with ``FORGE_RECIPE`` set, or unchanged (see the class docstring)."""
         task = user_request.task
-        unchanged = sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)
+        out = sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)  # task: changed in place
         envs = task.envs or {}
         if not user_request.at_client_side or "FORGE_RECIPE" not in envs or envs["FORGE_RECIPE"]:
-            return unchanged
+            return out
         path = task_file_from_argv(sys.argv, task.run)
-        if path is None:
-            return unchanged
-        folder = os.path.dirname(path)
-        if not os.path.isfile(os.path.join(folder, "config.yaml")):
-            return unchanged
+        folder = os.path.dirname(path or "")
+        if path is None or not os.path.isfile(os.path.join(folder, "config.yaml")):
+            return out
         workdir = task.workdir if isinstance(task.workdir, str) else None
         rel = os.path.relpath(folder, os.path.abspath(workdir)) if workdir else None
         if rel is None or rel == os.curdir or rel.startswith(os.pardir):
@@ -113,4 +102,4 @@ class RecipeFromTaskPath(sky.AdminPolicy):
         task.update_envs({"FORGE_RECIPE": rel})
         print(f"[forge] recipe {rel} (from the task file {os.path.relpath(path)}): "
               f"FORGE_RECIPE={rel}", file=sys.stderr, flush=True)
-        return sky.MutatedUserRequest(task=task, skypilot_config=user_request.skypilot_config)
+        return out
