@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -254,14 +255,10 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 try:  # resolved up front: the child between fork and exec must not import anything
     import ctypes
 
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    # the worker's preexec_fn: SIGTERM when its parent dies (prctl(PR_SET_PDEATHSIG = 1, SIGTERM))
+    _PDEATHSIG = functools.partial(ctypes.CDLL(None, use_errno=True).prctl, 1, int(signal.SIGTERM))
 except (OSError, AttributeError):  # not Linux/glibc: no parent-death signal
-    _PRCTL = None
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    _PDEATHSIG = None
 
 
 def start_worker_background(cluster: Cluster) -> subprocess.Popen:
@@ -273,7 +270,7 @@ def start_worker_background(cluster: Cluster) -> subprocess.Popen:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     return subprocess.Popen([sys.executable, "-m", "launch.bootstrap", "worker", "--host", host,
-                             "--port", str(cluster.port)], env=env, preexec_fn=_set_pdeathsig)
+                             "--port", str(cluster.port)], env=env, preexec_fn=_PDEATHSIG)
 
 
 async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
