@@ -147,8 +147,7 @@ class Controller:
         self.B = cfg.prompts_per_step * cfg.generator.group_size
         self.batches_made = self.step = 0  # the rollout batch counter k; the training step
         self.versions: list[int] = []  # per generator replica
-        self.rollout_stats: list[dict] = []
-        self.last_rollouts: list[dict] = []
+        self.rollout_stats, self.last_rollouts = [], []  # stats of finished rollouts: new ones; last reported
         self.changed = asyncio.Condition()
         self.buffered = self.rollouts_in_flight = 0  # the latter: batches generating or being finished
         self.paused = self.loading = False  # set while a checkpoint is written; while the replicas load a version

@@ -4,6 +4,7 @@ sees an ibverbs device there. The controller writes the answers to ``<run>/actor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,17 +14,14 @@ from monarch.actor import Actor, endpoint
 
 def host_addresses() -> list[str]:
     """Non-loopback IPv4 addresses of this host (``hostname -I``; else what the hostname resolves to)."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
         ips = [a for a in out if "." in a and not a.startswith("127.")]
         if ips:
             return ips
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
+    with contextlib.suppress(OSError):
         return sorted({i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)})
-    except OSError:
-        return []
+    return []
 
 
 def free_port() -> int:

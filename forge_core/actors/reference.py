@@ -31,14 +31,12 @@ class Reference(Actor):
         device: ``"cpu"`` or ``"cuda"``.
         dtype: weight dtype (``generator.dtype``; ``auto``: bf16 on GPUs, the faster of bf16 and
             fp32 on this CPU, see :func:`forge_core.actors.resolve_dtype`).
-        temperature: the sampling temperature (logprobs of the tempered distribution).
         micro_batch_size: sequences per forward (not packing).
         tokens_per_micro_batch: packing budget (tokens per forward; 0: no packing).
         logprob_chunk: response positions per block of the chunked logprobs.
         compile: ``torch.compile`` each block (GPU).
-        seq_len: longest prompt + response (tokens).
-        seed, threads: process seed and torch threads.
-        gpus, per_node, port, cores_dir: as for :class:`forge_core.actors.trainer.Trainer`.
+        temperature, seq_len, seed, threads, gpus, per_node, port, cores_dir: as for
+            :class:`forge_core.actors.trainer.Trainer`.
         mps_priority: ``trainer.mps_client_priority`` (1: below normal under CUDA MPS).
     """
 
