@@ -161,8 +161,7 @@ class VllmGenerator(Actor):
             :class:`~forge_core.actors.generator.Generator`.
         gpus: physical GPU indices of this node for this engine (TP = their number);
             ``CUDA_VISIBLE_DEVICES`` is set from them before CUDA starts.
-        colocated: share the GPU with the trainer: sleep between generations (unless
-            ``generator.sleep_level`` is 0).
+        colocated: share the GPU with the trainer (colocated mode, see the module docstring).
         per_node: GPUs on this node (the others stay visible, after the engine's own).
         bucket_mb: peer-GPU copy unit of weight updates (``weight_sync.bucket_mb``).
     """
