@@ -117,7 +117,8 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
     host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
     ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
     Prints every choice. Raises ValueError for an impossible explicit transport (``ipc`` across hosts)."""
-    t, routes, leader, rank = svc.trainer, [], {}, 0
+    t = svc.trainer
+    routes, leader, rank = [], {}, 0
     for i, g in enumerate(svc.generators):
         same = g.slot.host == t.slot.host
         if not same and g.slot.host in leader:
@@ -125,7 +126,8 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
             how, why = "follow", "loads its staged copy over ipc: the bytes cross to a node once"
             routes.append((how, leader[g.slot.host]))
         else:
-            src, (how, why) = t, choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
+            src = t
+            how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
             rank += how == "nccl"
             routes.append((how, rank if how == "nccl" else 0))
             if not same:
@@ -147,10 +149,13 @@ class Controller:
         self.B = cfg.prompts_per_step * cfg.generator.group_size
         self.batches_made = self.step = 0  # the rollout batch counter k; the training step
         self.versions: list[int] = []  # per generator replica
-        self.rollout_stats, self.last_rollouts = [], []  # stats of finished rollouts: new ones; last reported
+        self.rollout_stats: list[dict] = []  # stats of rollouts finished since the last step's log line
+        self.last_rollouts: list[dict] = []  # the ones the last log line reported (reused while none finish)
         self.changed = asyncio.Condition()
-        self.buffered = self.rollouts_in_flight = 0  # the latter: batches generating or being finished
-        self.paused = self.loading = False  # set while a checkpoint is written; while the replicas load a version
+        self.buffered = 0
+        self.rollouts_in_flight = 0  # batches generating or being finished (reward, reference, buffer)
+        self.paused = False  # set while a checkpoint is written
+        self.loading = False  # set while the replicas load a new version (rollouts wait: see rollout_loop)
         self.sync_task: Optional[asyncio.Task] = None
         self.rollout_error: Optional[Exception] = None
         self.last_sync: dict = {}
