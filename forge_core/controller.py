@@ -500,7 +500,8 @@ class Controller:
         self.weight_dtype = dtypes.pop()
         ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
         remote = s.reference.slot.host != s.trainer.slot.host
-        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, await call("reference", s.reference.get_dtype))
+        s.dtypes.update(generator=self.weight_dtype, reference=await call("reference", s.reference.get_dtype))
+        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"])
         await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc")
         self.ref_digest = await call("reference", s.reference.digest)
         if ckpt:

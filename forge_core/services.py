@@ -137,6 +137,7 @@ class Services:
     hosts: Any = None
     faults: list = field(default_factory=list)
     stopping: bool = False
+    dtypes: dict = field(default_factory=dict)  # "generator"/"reference": the dtype they resolved; respawns keep it
 
     @property
     def generator(self) -> Service:
@@ -163,12 +164,13 @@ class Services:
     async def respawn(self, name: str) -> Service:
         """Replace the service ``name`` (``generator[_i]``, ``reward`` or ``reference``) with a new
         one on the same node and GPUs: the old processes are stopped (killed if they hang).
-        Returns the new service, already in place; its weights are the caller's business. Raises
-        ActorFailed when the new actor's constructor fails."""
+        Returns the new service, already in place; its weights are the caller's business. It gets the
+        dtype its role resolved at the start (``dtypes``): a new ``auto`` probe could pick another one
+        than the weights the trainer publishes. Raises ActorFailed when the new actor's constructor fails."""
         old = next(s for s in self.all() if s.name == name)
         await old.stop(10, kill=True)
         role = "generator" if name.startswith("generator") else name
-        new = await spawn_service(self.cfg, role, old.slot, self.plan, self.hosts, name)
+        new = await spawn_service(self.cfg, role, old.slot, self.plan, self.hosts, name, self.dtypes.get(role))
         if role == "generator":
             self.generators[self.generators.index(old)] = new
         else:
@@ -188,8 +190,9 @@ def _section(cfg: DictConfig, key: str) -> dict:
 
 
 def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int = 0, addr: str = "127.0.0.1",
-                 name: str = "") -> dict:
-    """The constructor arguments of ``role``'s actor: its own config section plus named fields."""
+                 name: str = "", dtype: Optional[str] = None) -> dict:
+    """The constructor arguments of ``role``'s actor: its own config section plus named fields;
+    ``dtype`` (a respawn's) replaces ``generator.dtype`` for the generator and the reference."""
     if role == "reward":
         return {"reward_cfg": _section(cfg, "reward")}
     if role == "replay_buffer":
@@ -199,7 +202,7 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
               model=_section(cfg, "model"),
               **({"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {"cores_dir": cores_dir()}))
     if role == "generator":
-        kw.update(generator=_section(cfg, "generator"), system_prompt=cfg.data.system_prompt, replica=name)
+        kw.update(generator=dict(_section(cfg, "generator"), dtype=dtype or cfg.generator.dtype), system_prompt=cfg.data.system_prompt, replica=name)
         if gpu:
             kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
                       bucket_mb=cfg.weight_sync.bucket_mb)
@@ -213,7 +216,7 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
                     shared_frac=cfg.generator.gpu_memory_utilization if plan.colocated and not cfg.generator.sleep_level
                     else 0.0)
     t = cfg.trainer  # the reference
-    return dict(kw, dtype=cfg.generator.dtype, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
+    return dict(kw, dtype=dtype or cfg.generator.dtype, micro_batch_size=t.micro_batch_size * (2 if gpu else 1),
                 tokens_per_micro_batch=t.tokens_per_micro_batch, logprob_chunk=t.logprob_chunk, compile=t.compile,
                 mps_priority=t.mps_client_priority)
 
@@ -240,11 +243,11 @@ def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
 
 
 async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, hosts: Any = None,
-                        name: str = "") -> Service:
+                        name: str = "", dtype: Optional[str] = None) -> Service:
     """Spawn ``role`` on ``slot`` (one process per GPU; a generator replica is one process whatever
     its GPUs, as vLLM starts its own TP workers) with a Placement actor beside each process; a
-    generator replica also gets its WeightReceiver. Waits until the actor is constructed. Raises
-    ActorFailed when the actor's constructor fails (the message names it)."""
+    generator replica also gets its WeightReceiver. ``dtype``: see :func:`actor_kwargs`. Waits until
+    the actor is constructed. Raises ActorFailed when the actor's constructor fails (the message names it)."""
     from monarch.actor import this_host
     from forge_core.actors.placement import Placement
     name = name or role
@@ -256,7 +259,7 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
     mod, cls = ROLES[role][cfg.device == "cuda"].split(":")  # imported on demand: vLLM only on GPUs
     actor = procs.spawn(name, getattr(importlib.import_module(mod), cls),
-                        **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name))
+                        **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name, dtype))
     svc = Service(name, slot, procs, actor, where)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
         try:

@@ -226,6 +226,8 @@ def _check_survivor(run: Run, steps: int, injected: list[dict], label: str) -> t
         assert last[f"restarts_{s}"] == want.get(s, 0), (s, last)
     assert last["policy_version"] == steps and all(r["staleness_max"] <= 1 for r in rows)
     assert out.count("respawned and back in") == len(injected)
+    for role in ("generator", "reference"):  # dtype auto: probed at the start only, a respawn keeps the result
+        assert out.count(f"[forge] {role}: dtype auto ->") == 1, role
     print(f"\n[chaos] {label}: {len(injected)} faults in {run.seconds:.0f} s: " + ", ".join(
         f"{f['signal'][3:].lower()} {f['service']} @step {f['at_step']} -> {f['recover_s']:.1f} s" for f in injected))
     return lost, twice

@@ -572,6 +572,36 @@ def test_hung_leader_staged_copy_respawns_it_and_the_followers_still_load(tmp_pa
     assert ctl.versions == [1, 1]
 
 
+def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
+    """generator.dtype=auto: a respawned generator replica or reference gets the dtype its role
+    resolved at the start, not a new probe (which could pick another dtype than the weights the
+    trainer publishes); the other roles, and a first spawn, keep the config's setting."""
+    from forge_core import services
+    from forge_core.layout import plan_layout
+    cfg = load_config("smollm2_135m", TINY)
+    plan = plan_layout(cfg)
+    assert cfg.generator.dtype == "auto"
+    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan)["generator"]["dtype"] == "auto"
+    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan, dtype="float32")["generator"]["dtype"] \
+        == "float32"
+    assert services.actor_kwargs(cfg, "reference", plan.reference, plan)["dtype"] == "auto"
+    assert services.actor_kwargs(cfg, "reference", plan.reference, plan, dtype="bfloat16")["dtype"] == "bfloat16"
+    spawned = []
+
+    async def fake_spawn(cfg, role, slot, plan, hosts=None, name="", dtype=None):
+        spawned.append((name, dtype))
+        return services.Service(name, slot, None, None)
+
+    monkeypatch.setattr(services, "spawn_service", fake_spawn)
+    old = {n: services.Service(n, plan.reference, None, None) for n in ("generator", "reward", "reference")}
+    svc = services.Services([old["generator"]], old["reward"], old["reference"], None, None, plan, cfg=cfg,
+                            dtypes={"generator": "float32", "reference": "bfloat16"})
+    for name in ("generator", "reward", "reference"):
+        assert asyncio.run(svc.respawn(name)) is not old[name]
+    assert spawned == [("generator", "float32"), ("reward", None), ("reference", "bfloat16")]
+    assert svc.generator.name == "generator" and svc.generator is not old["generator"]
+
+
 def test_vllm_worker_calls_pickle():
     """With TP > 1, vLLM pickles what ``apply_model`` runs to its worker processes: every call the
     vLLM generator makes there (load, compare, digest, state dict) must survive a pickle round trip
