@@ -427,10 +427,12 @@ def test_a_skipped_step_keeps_the_staleness_bound(tmp_path):
 
 # ---- the trainer's non-finite guard, through the real actor ------------------------------------------
 
-def test_trainer_skips_a_non_finite_step():
+def test_trainer_skips_a_non_finite_step(tmp_path):
+    """The non-finite guard through the real actor; then its checkpoint loads back, and one of an older
+    trainer or of another number of ranks is refused, saying why."""
     from forge_core.episode import Episode
     from forge_core.layout import plan_layout
-    from forge_core.services import call, spawn_service
+    from forge_core.services import ActorFailed, call, spawn_service
 
     cfg = load_config("smollm2_135m", TINY)
     g = torch.Generator().manual_seed(0)
@@ -463,6 +465,18 @@ def test_trainer_skips_a_non_finite_step():
             w2 = await call("trainer", t.state_dict)
             assert all(torch.isfinite(v).all() for v in w2.values())
             assert sum(not torch.equal(w0[k], w2[k]) for k in w0) == len(w0)  # AdamW moved every tensor
+            ckpt = str(tmp_path / "step_000001")
+            os.makedirs(ckpt)
+            await call("trainer", t.save, ckpt)
+            assert await call("trainer", t.load, ckpt) == 1
+            os.rename(os.path.join(ckpt, "optimizer.rank0.pt"), os.path.join(ckpt, "optimizer.pt"))  # older format
+            with pytest.raises(ActorFailed, match="no optimizer.rank<r>.pt .* cannot be resumed"):
+                await call("trainer", t.load, ckpt)
+            for r in (0, 1):  # two ranks' state, this trainer has one
+                shutil.copy(os.path.join(ckpt, "optimizer.pt"), os.path.join(ckpt, f"optimizer.rank{r}.pt"))
+            with pytest.raises(ActorFailed, match="optimizer state of 2 trainer rank.*has 1: resume with the "
+                                                  "layout.trainer.gpus"):
+                await call("trainer", t.load, ckpt)
         finally:
             await t.stop()
 

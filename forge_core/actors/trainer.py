@@ -381,11 +381,18 @@ class Trainer(Actor):
 
         Raises:
             FileNotFoundError: naming the missing checkpoint file.
-            ValueError: the weights do not match the model (names the keys).
+            ValueError: the weights do not match the model (names the keys), or the checkpoint holds
+                the optimizer state of another number of ranks (or of an older version's trainer).
         """
         st = os.path.join(path, "model.safetensors")
         if not os.path.isfile(st):
             raise FileNotFoundError(f"checkpoint has no weights: {st}")
+        ranks = sum(n.startswith("optimizer.rank") for n in os.listdir(path))
+        if ranks != self.world:
+            raise ValueError(f"checkpoint {path} holds the optimizer state of {ranks} trainer rank(s), this trainer "
+                             f"has {self.world}: resume with the layout.trainer.gpus it was saved with" if ranks else
+                             f"checkpoint {path} has no optimizer.rank<r>.pt (an optimizer.pt is an older version's "
+                             f"trainer): it cannot be resumed; start a new run")
         titan.load_hf_state_dict(self.model, self.spec, load_file(st))
         opt = torch.load(os.path.join(path, f"optimizer.rank{self.rank}.pt"), weights_only=False)
         self.opt.load_state_dict(opt["optimizer"])
