@@ -249,10 +249,18 @@ def _check(cfg: DictConfig, where: str) -> None:
     positive = ("steps", "prompts_per_step", "generator.group_size", "generator.max_response_tokens",
                 "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions", "generator.max_num_seqs",
                 "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
-                "trainer.logprob_chunk")
+                "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
+                "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size")
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{where}: {key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    for key in ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
+                "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "loss.beta"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{where}: {key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+    for key in ("generator.top_p", "generator.gpu_memory_utilization"):  # fractions
+        if not 0 < OmegaConf.select(cfg, key) <= 1:
+            raise ConfigError(f"{where}: {key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
     seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "

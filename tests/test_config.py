@@ -1,6 +1,7 @@
 """Recipe composition: deltas over the base schema, overrides, loss selection, strict keys, fail-fast recipes."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,19 @@ def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config("smollm2_135m", [override])
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize("override,says", [
+    ("generator.temperature=0", "generator.temperature must be > 0"), ("checkpoint.keep=0", "checkpoint.keep must be > 0"),
+    ("generator.max_prompt_tokens=0", "generator.max_prompt_tokens must be > 0"),
+    ("checkpoint.every=-1", "checkpoint.every must be >= 0"), ("fault.max_restarts=-1", "fault.max_restarts must be >= 0"),
+    ("threads_per_actor=-2", "threads_per_actor must be >= 0"), ("trainer.lr=-1e-5", "trainer.lr must be >= 0"),
+    ("generator.top_p=2", "generator.top_p must be in (0, 1]"), ("generator.top_p=0", "generator.top_p must be in"),
+    ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization must be in (0, 1]")])
+def test_out_of_range_value_names_the_key(override, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config("smollm2_135m", [override])
+    load_config("smollm2_135m", ["checkpoint.every=0", "fault.max_restarts=0", "generator.top_p=1.0", "trainer.lr=0"])
 
 
 def test_misspelled_key_in_recipe_file(tmp_path):
