@@ -122,7 +122,8 @@ class ModelConfig:
 
     Attributes:
         name: key of :data:`MODELS`.
-        path: overrides the registry's hub id or local directory (``hf`` models), e.g. a local copy.
+        path: a local HF-format directory (or hub id) to load instead of the registry's source (the
+            hub id, or smollm2_135m's packaged GGUF), e.g. a local copy; same architecture.
         init: ``"pretrained"`` or ``"random"`` (same architecture, random weights, seeded).
         seed: seed of random init.
     """
@@ -214,12 +215,12 @@ def pretrained_dir(cfg: Any) -> Optional[str]:
 
 
 def _hf_source(cfg: Any) -> str:
-    spec = spec_of(cfg.name)
-    if spec.source == "gguf":
+    spec, path = spec_of(cfg.name), getattr(cfg, "path", "")
+    if spec.source == "gguf" and not path:
         return converted_smollm2()
     if gated := gated_without_token(cfg):
         raise ModelSourceError(gated)
-    return getattr(cfg, "path", "") or spec.path
+    return path or spec.path
 
 
 def spec_of(name: str) -> ModelSpec:

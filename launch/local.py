@@ -28,8 +28,9 @@ def preflight(cfg: Any) -> None:
     """Fail fast, naming every reason, if the recipe cannot run on this machine.
 
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
-    model from the hub needs hub access (or ``model.path`` = a local dir); a gated model needs
-    ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``).
+    model from the hub needs hub access (or ``model.path`` = a local dir, which must exist); a gated
+    model needs ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``,
+    a directory with ``train.jsonl``).
     Raises:
         PreflightError: listing the reasons.
     """
@@ -46,9 +47,12 @@ def preflight(cfg: Any) -> None:
                            f"(layout: {cfg.layout.nodes} node(s)); this machine has {have}")
     spec = spec_of(cfg.model.name)
     hub = functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
-    if spec.source == "hf" and spec.config is None and not (cfg.model.init == "random" and spec.arch):
+    random_ok = cfg.model.init == "random" and spec.arch
+    if (spec.source == "hf" or cfg.model.path) and spec.config is None and not random_ok:
         path = cfg.model.path or spec.path
-        if not os.path.isdir(path):
+        if path.startswith(("/", ".")) and not os.path.isdir(path):
+            reasons.append(f"model.path={path} is not a directory")
+        elif not os.path.isdir(path):
             if gated := gated_without_token(cfg.model):
                 reasons.append(gated)
             if not hub():
@@ -61,6 +65,8 @@ def preflight(cfg: Any) -> None:
                            f"set GSM8K_DIR=/path/to/gsm8k or data.dir=... (train.jsonl, test.jsonl)")
     elif not os.path.isdir(cfg.data.dir):
         reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) is not a directory")
+    elif not os.path.isfile(os.path.join(cfg.data.dir, "train.jsonl")):
+        reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) has no train.jsonl")
     if reasons:
         raise PreflightError("cannot run here:\n  - " + "\n  - ".join(reasons))
 

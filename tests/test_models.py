@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from forge_core.models import ModelConfig, converted_smollm2, load_model, load_tokenizer, smollm2_gguf_path
@@ -31,6 +32,34 @@ def test_smollm2_loads_and_generates():
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in text, text  # a real (dequantised) instruct model, not random weights
+
+
+def test_model_path_replaces_the_packaged_smollm2(tmp_path):
+    """model.path names an HF-format directory that is loaded instead of the packaged GGUF;
+    the preflight refuses a path that does not exist, and a data.dir
+    without train.jsonl, naming each."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from forge_core.config import load_config
+    from launch.local import PreflightError, preflight
+
+    src = converted_smollm2()
+    for n in os.listdir(src):
+        shutil.copy(os.path.join(src, n), tmp_path / n)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], 0.5)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    base = load_model(ModelConfig(name="smollm2_135m"))
+    mine = load_model(ModelConfig(name="smollm2_135m", path=str(tmp_path)))
+    assert torch.equal(mine.model.norm.weight, torch.full_like(mine.model.norm.weight, 0.5))
+    assert not torch.equal(base.model.norm.weight, mine.model.norm.weight)
+    assert torch.equal(base.model.embed_tokens.weight, mine.model.embed_tokens.weight)
+    with pytest.raises(PreflightError) as e:
+        preflight(load_config("smollm2_135m", ["model.path=/nonexistent/smollm2", f"data.dir={tmp_path}"]))
+    assert "model.path=/nonexistent/smollm2 is not a directory" in str(e.value)
+    assert f"data.dir={tmp_path} (GSM8K_DIR) has no train.jsonl" in str(e.value)
 
 
 def test_response_logprobs_match_a_plain_forward():
