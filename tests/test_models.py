@@ -35,9 +35,8 @@ def test_smollm2_loads_and_generates():
 
 
 def test_model_path_replaces_the_packaged_smollm2(tmp_path):
-    """model.path names an HF-format directory that is loaded instead of the packaged GGUF;
-    the preflight refuses a path that does not exist, and a data.dir
-    without train.jsonl, naming each."""
+    """model.path names an HF-format directory that is loaded instead of the packaged GGUF; the
+    preflight refuses a path that does not exist, and a data.dir without train.jsonl, naming each."""
     import shutil
 
     from safetensors.torch import load_file, save_file
