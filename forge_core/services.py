@@ -202,7 +202,8 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
               model=_section(cfg, "model"),
               **({"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {"cores_dir": cores_dir()}))
     if role == "generator":
-        kw.update(generator=dict(_section(cfg, "generator"), dtype=dtype or cfg.generator.dtype), system_prompt=cfg.data.system_prompt, replica=name)
+        kw.update(generator=dict(_section(cfg, "generator"), dtype=dtype or cfg.generator.dtype),
+                  system_prompt=cfg.data.system_prompt, replica=name)
         if gpu:
             kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
                       bucket_mb=cfg.weight_sync.bucket_mb)
