@@ -9,6 +9,7 @@ between generations, never during one: Monarch runs one message of an actor at a
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Optional
 
@@ -73,14 +74,16 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
 
     criteria = [c for c in (stop, tick if every16 else None) if c is not None]
     ids, mask = enc.input_ids.repeat_interleave(n, 0), enc.attention_mask.repeat_interleave(n, 0)
-    cache = None
+    cache = {}
     if n > 1 and P > 1:  # the prompt's KV cache once per group, not once per sample
-        cache = DynamicCache()
+        # keyword `cache` where the model takes it (transformers 5.24 deprecates past_key_values; 5.17 lacks cache)
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = {key: DynamicCache()}
         m = enc.attention_mask[:, :-1]
         model(input_ids=enc.input_ids[:, :-1], attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
-              past_key_values=cache, use_cache=True, logits_to_keep=1)  # positions as generate's (left padding)
-        cache.batch_repeat_interleave(n)
-    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
+              use_cache=True, logits_to_keep=1, **cache)  # positions as generate's (left padding)
+        cache[key].batch_repeat_interleave(n)
+    out = model.generate(input_ids=ids, attention_mask=mask, **cache, max_new_tokens=max_new_tokens,
                          output_logits=True, return_dict_in_generate=True, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, stopping_criteria=StoppingCriteriaList(criteria), **sampling)
     seqs = out.sequences[:, P:]
