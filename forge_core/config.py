@@ -309,7 +309,9 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
     """Compose ``recipes/<recipe>/config.yaml`` (``recipe``: a name or a path to a recipe folder; the
     resolved ``recipe`` field is the folder's name, so a copied folder is its own recipe) over the
     base schema, then ``overrides``. Returns a resolved, read-only (struct) DictConfig. Raises
-    ConfigError naming the key: unknown/misspelled key, wrong type, bad value, missing recipe."""
+    ConfigError naming the key (or, for a file that is not valid YAML, its line): unknown/misspelled
+    key, wrong type, bad value, missing recipe."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -322,7 +324,7 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
         with open_dict(cfg):
             cfg.recipe = os.path.basename(d)
         OmegaConf.resolve(cfg)
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:  # YAMLError: not YAML, a duplicate key
         msg = " ".join(str(x).strip() for x in (e, e.__cause__) if x).replace("\n", " ")
         raise ConfigError(f"{where}: {msg}") from None
     _check(cfg, where)

@@ -61,6 +61,10 @@ def test_misspelled_key_in_recipe_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(d))
     assert "learning_rate" in str(e.value) and "config.yaml" in str(e.value)
+    for bad, says in (("trainer:\n  lr: [1e-5\n", "line 2"), ("steps: 3\nsteps: 4\n", "duplicate key steps")):
+        (d / "config.yaml").write_text(bad)  # not YAML: a ConfigError naming the file and where, no traceback
+        with pytest.raises(ConfigError, match=f"{re.escape(str(d / 'config.yaml'))}: .*{says}"):
+            load_config(str(d))
 
 
 def test_copied_recipe_folder_is_its_own_recipe(tmp_path):
