@@ -48,12 +48,15 @@ def task_config(yaml_path: str, recipe_env: str, bucket: Optional[str] = None,
     """The task file as a dict with FORGE_RECIPE (and FORGE_ARGS, the bucket mount) filled in.
 
     Raises:
-        SkyError: the file is not a YAML mapping.
+        SkyError: the file is not valid YAML, or not a YAML mapping.
     """
     import yaml
 
-    with open(yaml_path) as f:
-        cfg = yaml.safe_load(f)
+    try:
+        with open(yaml_path) as f:
+            cfg = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise SkyError(f"{yaml_path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(cfg, dict):
         raise SkyError(f"{yaml_path}: not a SkyPilot task (a YAML mapping)")
     envs = cfg["envs"] = {**(cfg.get("envs") or {}), "FORGE_RECIPE": recipe_env,

@@ -275,7 +275,7 @@ def test_sky_cli_applies_the_recipe_policy(tmp_path):
     assert "[forge] recipe recipes/my_exp (from the task file recipes/my_exp/sky.yaml)" in out, out[-3000:]
 
 
-def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys):
+def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
     monkeypatch.setenv("WANDB_API_KEY", "")
     rc = ls.main(["launch", "qwen3_1_7b", "--dry-run", "--bucket", "my-ckpts",
@@ -292,6 +292,10 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys):
     cfg = ls.task_config(str(recipe_file("qwen3_1_7b")), "recipes/qwen3_1_7b", "my-ckpts")
     t = ls.parse_task(cfg, {})
     assert "/checkpoints" in t.storage_mounts and t.envs["FORGE_RECIPE"] == "recipes/qwen3_1_7b"
+    bad = tmp_path / "sky.yaml"  # a task file that is not YAML: an error naming it and the line
+    bad.write_text("resources:\n  accelerators: [H100:8\n")
+    with pytest.raises(ls.SkyError, match=re.escape(str(bad)) + ": not valid YAML .*line 3"):
+        ls.task_config(str(bad), "recipes/qwen3_1_7b")
     # make sky passes the same options.
     m = subprocess.run(["make", "-n", "sky", "RECIPE=qwen3_1_7b", "DRY_RUN=1", "CKPT_BUCKET=my-ckpts",
                         "MANAGED=1", "ARGS=steps=5"], cwd=ROOT, capture_output=True, text=True)
