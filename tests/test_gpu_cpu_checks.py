@@ -98,6 +98,19 @@ def _episodes(tok_ids, lens):
     return eps
 
 
+def test_vllm_model_dir_is_named_after_its_config():
+    """The same shape gives the same directory (vLLM's compile cache is keyed on it: a respawned
+    engine reuses the compiled graph), another shape another one; config.json is the registry's."""
+    import json
+
+    from forge_core.actors.vllm_generator import vllm_model_dir
+
+    a, b = vllm_model_dir("qwen3_1_7b", 2048), vllm_model_dir("qwen3_1_7b", 2048)
+    assert a == b and a != vllm_model_dir("qwen3_8b", 2048) != vllm_model_dir("qwen3_8b", 100_000)
+    with open(f"{a}/config.json") as f:
+        assert json.load(f)["hidden_size"] == hf_config_dict("qwen3_1_7b")["hidden_size"]
+
+
 def test_titan_matches_hf_through_the_state_dict_adapter():
     """HF weights -> TorchTitan (from_hf) give the same response logprobs as transformers
     (right-padded causal rows vs the generator's left-padded layout); to_hf gives back the same
