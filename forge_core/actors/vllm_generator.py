@@ -51,7 +51,7 @@ def vllm_model_dir(model_name: str, max_len: int) -> str:
     d["max_position_embeddings"] = max(d.get("max_position_embeddings", 0), max_len)
     text = json.dumps(d, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    path = os.path.join(tempfile.gettempdir(), f"forge-vllm-{model_name}-{digest}")
+    path = os.path.join(tempfile.gettempdir(), f"forge-vllm-{os.getuid()}-{model_name}-{digest}")  # per user
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, f"config.json.{os.getpid()}")
     with open(tmp, "w") as f:
