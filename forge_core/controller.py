@@ -166,7 +166,6 @@ class Controller:
         self.restarts = {"generator": 0, "reward": 0, "reference": 0}
         self.skipped_batches = self.bad_in_a_row = self.checkpoint_failures = 0  # bad_in_a_row: skips in a row
         self.ref_digest = ""
-        self.weight_dtype: Optional[str] = None  # the generators' weight dtype: what the trainer publishes
 
     async def _set(self, **attrs: Any) -> None:
         """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
@@ -394,7 +393,7 @@ class Controller:
         cfg, gens, routes = self.cfg, self.svc.generators, self.routes
         nccl = sum(t == "nccl" for t, _ in routes)  # group members besides the trainer
         handle = await call("trainer", self.svc.trainer.publish, any(t == "rdma" for t, _ in routes),
-                            nccl + 1 if nccl else 0, self.generation, self.weight_dtype,
+                            nccl + 1 if nccl else 0, self.generation, self.svc.dtypes["generator"],
                             timeout_s=cfg.fault.call_timeout_s)
         t0 = time.perf_counter()
         timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
@@ -497,10 +496,10 @@ class Controller:
         if len(dtypes) > 1:
             raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
                             f"their hosts' CPUs differ; set generator.dtype explicitly")
-        self.weight_dtype = dtypes.pop()
         ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
         remote = s.reference.slot.host != s.trainer.slot.host
-        s.dtypes.update(generator=self.weight_dtype, reference=await call("reference", s.reference.get_dtype))
+        # the generators' weight dtype (what the trainer publishes) and the reference's; respawns keep them
+        s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype))
         h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"])
         await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc")
         self.ref_digest = await call("reference", s.reference.digest)

@@ -560,7 +560,7 @@ def test_hung_leader_staged_copy_respawns_it_and_the_followers_still_load(tmp_pa
 
     ctl.svc = SimpleNamespace(trainer=SimpleNamespace(publish=_Endpoint(publish)),
                               generators=[generator("generator_0"), generator("generator_1")],
-                              respawn=respawn, write_placement=lambda path: None)
+                              respawn=respawn, write_placement=lambda path: None, dtypes={"generator": "float32"})
     ctl.routes = [("nccl", 1), ("follow", 0)]
     ctl.versions = [0, 0]
     asyncio.run(asyncio.wait_for(ctl._sync_locked(), 60))  # without the deadline: TimeoutError here
