@@ -192,7 +192,8 @@ class VllmGenerator(Actor):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function to TP workers
         # One Triton cache for every engine start: else an engine that loads its compiled graph from vLLM's cache
         # (no inductor run to point TRITON_CACHE_DIR at inductor's) JIT-compiles its sampler kernels again (~20 s)
-        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+        home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")  # where Triton's own default cache lies
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
         setup_process(max(threads, 4), seed)
         from vllm import LLM
 
