@@ -251,16 +251,15 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
                 "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
                 "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size")
-    for key in positive:
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"{where}: {key} must be > 0, got {OmegaConf.select(cfg, key)}")
-    for key in ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
-                "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "loss.beta"):
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"{where}: {key} must be >= 0, got {OmegaConf.select(cfg, key)}")
-    for key in ("generator.top_p", "generator.gpu_memory_utilization"):  # fractions
-        if not 0 < OmegaConf.select(cfg, key) <= 1:
-            raise ConfigError(f"{where}: {key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
+    non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
+                    "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "loss.beta",
+                    "max_staleness")
+    fractions = ("generator.top_p", "generator.gpu_memory_utilization")
+    for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
+                           (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):
+        for key in keys:
+            if not ok(v := OmegaConf.select(cfg, key)):
+                raise ConfigError(f"{where}: {key} must be {what}, got {v}")
     seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
@@ -268,8 +267,6 @@ def _check(cfg: DictConfig, where: str) -> None:
     if cfg.trainer.mps_client_priority not in (0, 1):
         raise ConfigError(f"{where}: trainer.mps_client_priority={cfg.trainer.mps_client_priority} must be 0 (normal) "
                           "or 1 (below normal)")
-    if cfg.max_staleness < 0:
-        raise ConfigError(f"{where}: max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":
         raise ConfigError(f"{where}: generator.group_size must be >= 2 for group-normalised advantages")
     if (cfg.device == "cuda") != (cfg.generator.backend == "vllm"):
