@@ -178,10 +178,9 @@ class Services:
         return new
 
     async def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop every actor process (idempotent), each within ``timeout_s`` seconds."""
+        """Stop every actor process (idempotent), the services at once, each within ``timeout_s`` seconds."""
         self.stopping = True
-        for s in self.all():
-            await s.stop(timeout_s)
+        await asyncio.gather(*(s.stop(timeout_s) for s in self.all()))
         shutil.rmtree(cores_dir(), ignore_errors=True)
 
 
