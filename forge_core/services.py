@@ -236,8 +236,9 @@ def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
         return 0.0
     gb = 2.0 if plan.colocated and cfg.generator.sleep_level else 0.0
     if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus):
-        from forge_core import titan
-        n = sum(k for *_, k in titan.hf_layout(titan.titan_model_args(cfg.model.name)))
+        from forge_core import titan  # torch only: TorchTitan itself is imported by the actors
+        from forge_core.models import hf_config_dict
+        n = sum(k for *_, k in titan.hf_layout(hf_config_dict(cfg.model.name)))
         gb += 2 * n / plan.reference.ranks / 1e9
     return gb
 

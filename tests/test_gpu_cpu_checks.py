@@ -72,16 +72,16 @@ def test_registry_architectures_offline():
     from forge_core import titan
 
     q = titan.titan_model_args("qwen3_1_7b")
-    n = sum(k for *_, k in titan.hf_layout(q))
+    n = sum(k for *_, k in titan.hf_layout(q.hf))
     assert q.family == "qwen3" and q.args.enable_weight_tying and abs(n / 1e9 - 1.72) < 0.01  # Qwen3-1.7B: 1.72B
     q8 = titan.titan_model_args("qwen3_8b")
-    assert abs(sum(k for *_, k in titan.hf_layout(q8)) / 1e9 - 8.19) < 0.01  # Qwen3-8B: 8.19B
+    assert abs(sum(k for *_, k in titan.hf_layout(q8.hf)) / 1e9 - 8.19) < 0.01  # Qwen3-8B: 8.19B
     ll = titan.titan_model_args("llama3_8b")
     assert ll.family == "llama3" and titan._llama3_ffn(4096, ll.args.multiple_of, ll.args.ffn_dim_multiplier) == 14336
-    assert abs(sum(k for *_, k in titan.hf_layout(ll)) / 1e9 - 8.03) < 0.01  # Llama-3.1-8B: 8.03B
+    assert abs(sum(k for *_, k in titan.hf_layout(ll.hf)) / 1e9 - 8.03) < 0.01  # Llama-3.1-8B: 8.03B
     s = titan.titan_model_args("smollm2_135m")
     assert s.family == "qwen3" and not s.args.qk_norm and s.args.head_dim == 64
-    assert abs(sum(k for *_, k in titan.hf_layout(s)) / 1e6 - 134.5) < 0.5
+    assert abs(sum(k for *_, k in titan.hf_layout(s.hf)) / 1e6 - 134.5) < 0.5
     cfg = hf_config_dict("qwen3_1_7b")
     assert cfg["rope_parameters"]["rope_theta"] == 1e6 and cfg["architectures"] == ["Qwen3ForCausalLM"]
 
@@ -132,7 +132,7 @@ def test_titan_matches_hf_through_the_state_dict_adapter():
     assert torch.allclose(got[mask], ref[mask], atol=1e-4), (got[mask] - ref[mask]).abs().max()
     assert (got[~mask] == 0).all()
     named = list(titan.named_hf_tensors(m, spec))
-    assert sorted(n for n, _ in named) == sorted(n for n, *_ in titan.hf_layout(spec))
+    assert sorted(n for n, _ in named) == sorted(n for n, *_ in titan.hf_layout(spec.hf))
     for n, t in named:
         assert torch.equal(t, sd[n]), n
 
@@ -149,8 +149,8 @@ def test_llama3_adapter_round_trip_permutes_back():
     spec = titan.TitanSpec("llama3", args, hfd)
     m = titan.build_model(spec, torch.device("cpu"))
     named = dict(titan.named_hf_tensors(m, spec))
-    assert sorted(named) == sorted(n for n, *_ in titan.hf_layout(spec))
-    assert all(tuple(named[n].shape) == s for n, s, _ in titan.hf_layout(spec))
+    assert sorted(named) == sorted(n for n, *_ in titan.hf_layout(spec.hf))
+    assert all(tuple(named[n].shape) == s for n, s, _ in titan.hf_layout(spec.hf))
     wq = dict(m.named_parameters())["layers.0.attention.wq.weight"]
     assert not torch.equal(named["model.layers.0.self_attn.q_proj.weight"], wq)  # permuted to HF's rope layout
     m2 = titan.build_model(spec, torch.device("cpu"), seed=1)
@@ -180,7 +180,7 @@ def test_vllm_fused_views_recover_hf_tensors():
         elif not any(s in k for s in (".k_proj.", ".v_proj.", ".up_proj.")):
             fused[k] = v
     spec = titan.titan_model_args("tiny_llama")
-    layout = titan.hf_layout(spec)
+    layout = titan.hf_layout(spec.hf)
     for name, t in hf_views_of_vllm(fused, layout, hf):
         assert torch.equal(t, sd[name]), name
 
@@ -207,7 +207,7 @@ def test_vllm_tp_shards_recover_hf_slices(tp, monkeypatch):
 
     hf = hf_config_dict("tiny_llama")  # 4 heads, 2 KV heads: TP=4 replicates KV heads
     sd = load_model(ModelConfig("tiny_llama", init="random")).state_dict()
-    layout = titan.hf_layout(titan.titan_model_args("tiny_llama"))
+    layout = titan.hf_layout(titan.titan_model_args("tiny_llama").hf)
     hd, kvh = hf["hidden_size"] // hf["num_attention_heads"], hf["num_key_value_heads"]
     per = -(-hf["vocab_size"] // 64) * 64 // tp
     for rank in range(tp):

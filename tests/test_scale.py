@@ -452,7 +452,7 @@ def test_staged_sync_generation_goes_on_during_transfer():
         g = await spawn_service(cfg, "generator", plan.generators[0], plan, None, "generator")
         sender = None
         spec = titan.titan_model_args(cfg.model.name)
-        buf = StagingBuffer(titan.hf_layout(spec), getattr(torch, cfg.generator.dtype), "cpu")
+        buf = StagingBuffer(titan.hf_layout(spec.hf), getattr(torch, cfg.generator.dtype), "cpu")
         try:
             buf.fill(titan.named_hf_tensors(titan.build_model(spec, torch.device("cpu"), seed=123), spec,
                                             dtype=buf.dtype))
@@ -600,6 +600,24 @@ def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
         assert asyncio.run(svc.respawn(name)) is not old[name]
     assert spawned == [("generator", "float32"), ("reward", None), ("reference", "bfloat16")]
     assert svc.generator.name == "generator" and svc.generator is not old["generator"]
+
+
+def test_colocated_trainer_kwargs_import_no_torchtitan_in_the_controller():
+    """One GPU for all (colocated, the engine asleep between rollouts): the trainer's ``shared_gb``
+    is the sleeping engine's 2 GB plus the reference's bf16 weights (2 bytes x 134.5M parameters of
+    SmolLM2-135M), computed from the HF config alone: the controller never imports TorchTitan
+    (about 11 s between the engine's start and the trainer's spawn, with the event loop blocked)."""
+    code = ("import sys; from forge_core.config import load_config; from forge_core.layout import plan_layout;"
+            "from forge_core.services import actor_kwargs;"
+            "cfg = load_config('smollm2_135m', sys.argv[1:]); plan = plan_layout(cfg);"
+            "print(plan.colocated, actor_kwargs(cfg, 'trainer', plan.trainer, plan)['shared_gb'],"
+            " 'torchtitan' in sys.modules)")
+    args = ["device=cuda", "generator.backend=vllm", "layout.gpus_per_node=1", "layout.trainer.gpus=1",
+            "layout.reference.gpus=0", "max_staleness=0"]
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, check=True)
+    colocated, shared_gb, titan_imported = out.stdout.split()
+    assert colocated == "True" and titan_imported == "False", out.stdout
+    assert abs(float(shared_gb) - (2.0 + 2 * 134.5e6 / 1e9)) < 0.001, out.stdout
 
 
 def test_vllm_worker_calls_pickle():

@@ -310,7 +310,7 @@ class Trainer(Actor):
         if self.sender is not None:
             self.sender.wait()  # the previous version's broadcast still reads the buffer
         if dtype not in self.staging:
-            self.staging[dtype] = StagingBuffer(titan.hf_layout(self.spec), getattr(torch, dtype), self.device)
+            self.staging[dtype] = StagingBuffer(titan.hf_layout(self.spec.hf), getattr(torch, dtype), self.device)
         self.staging[dtype].fill(named)
         self.last_dtype = dtype
         return self.staging[dtype]
