@@ -317,7 +317,7 @@ def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float
     activation checkpointing (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.1, 16-bit, no
     score matrix with flash/flex attention), the block inputs (2 x dim bytes) plus one layer's with it."""
     h = spec.hf
-    n = sum(k for *_, k in hf_layout(spec.hf))
+    n = sum(k for *_, k in hf_layout(h))
     D, L = h["hidden_size"], h["num_hidden_layers"]
     layer = 34 * D * tokens
     act = (2 * D * tokens * L + layer) if ac else layer * L
@@ -327,7 +327,8 @@ def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float
 def flops_per_token(spec: TitanSpec, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 6 N plus attention 12 L d_attn T), as in
     TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once."""
-    h, n = spec.hf, sum(numel for *_, numel in hf_layout(spec.hf))
+    h = spec.hf
+    n = sum(numel for *_, numel in hf_layout(h))
     hd = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
     return 6 * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
 
