@@ -327,8 +327,7 @@ def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float
 def flops_per_token(spec: TitanSpec, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 6 N plus attention 12 L d_attn T), as in
     TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once."""
-    h = spec.hf
-    n = sum(numel for *_, numel in hf_layout(h))
+    h, n = spec.hf, sum(numel for *_, numel in hf_layout(spec.hf))
     hd = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
     return 6 * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
 
