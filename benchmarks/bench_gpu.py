@@ -188,7 +188,7 @@ async def tp_weights_check(cfg, g, tp: int) -> None:
     from forge_core.weight_sync import StagingBuffer
 
     spec = titan.titan_model_args(cfg.model.name)
-    buf = StagingBuffer(titan.hf_layout(spec), torch.bfloat16, torch.device("cuda:0"))
+    buf = StagingBuffer(titan.hf_layout(spec.hf), torch.bfloat16, torch.device("cuda:0"))
     torch.manual_seed(0)
     buf.flat.normal_(0, 0.02)
     h = buf.handle(1)
