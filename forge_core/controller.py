@@ -573,8 +573,9 @@ class Controller:
                 await self.sync_task
             final = os.path.join(self.out_dir, "final")
             await call("trainer", s.trainer.save, final, False)
-            from forge_core.models import load_tokenizer
-            load_tokenizer(cfg.model).save_pretrained(final)
+            for name, data in (await self._tokenizer_files()).items():
+                with open(os.path.join(final, name), "wb") as f:
+                    f.write(data)
             plot_rewards(mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
         finally:
             rollouts.cancel()
@@ -584,6 +585,16 @@ class Controller:
             bar.close()
             mlog.close()
         return row
+
+    async def _tokenizer_files(self) -> dict:
+        """The tokenizer's files from a generator replica, which holds it loaded; a replica dead by
+        now: loaded here (importing transformers takes seconds, hence not by default)."""
+        g = self.svc.generator
+        try:
+            return await call(g.name, g.tokenizer_files, timeout_s=self.cfg.fault.call_timeout_s)
+        except ActorFailed:
+            from forge_core.models import load_tokenizer, tokenizer_files
+            return tokenizer_files(load_tokenizer(self.cfg.model))
 
     def _skip(self, tm: dict) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm): the batch is dropped and

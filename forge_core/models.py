@@ -262,6 +262,18 @@ def load_tokenizer(cfg: Any):
     return tok
 
 
+def tokenizer_files(tok: Any) -> dict[str, bytes]:
+    """``{file name: bytes}`` of ``tok.save_pretrained`` (a few MB): a generator sends them to the
+    controller for ``final/``, so the controller never imports transformers (seconds per run). The
+    truncation and padding that the last call set (each call sets its own) are not saved."""
+    if (backend := getattr(tok, "backend_tokenizer", None)) is not None:
+        backend.no_truncation()
+        backend.no_padding()
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        return {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+
+
 def _hub_hint(cfg: Any, e: Exception) -> str:
     return (f"could not load model {cfg.name!r} from {getattr(cfg, 'path', '') or spec_of(cfg.name).path!r}: "
             f"{str(e)[:300]}. Without HF hub access, download it elsewhere and set model.path=/local/dir, "

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from forge_core.models import ModelConfig, converted_smollm2, load_model, load_tokenizer, smollm2_gguf_path
+from forge_core.models import (ModelConfig, converted_smollm2, load_model, load_tokenizer, smollm2_gguf_path,
+                               tokenizer_files)
 from hf_reference import response_logprobs
 
 
@@ -123,3 +124,15 @@ def test_group_prefill_once_gives_generates_own_samples():
         ref = plain[j // 2, P:].tolist()
         assert o["response_ids"] == ref[:len(o["response_ids"])], (j, o["text"])
         assert o["prompt_ids"] == enc.input_ids[j // 2][enc.attention_mask[j // 2].bool()].tolist()
+
+
+def test_tokenizer_files_are_the_tokenizer_not_the_last_calls_truncation(tmp_path):
+    """What a generator sends for ``final/`` equals a fresh tokenizer's ``save_pretrained``, though
+    its last call truncated and padded (a fast tokenizer keeps those in tokenizer.json)."""
+    cfg = ModelConfig(name="smollm2_135m")
+    load_tokenizer(cfg).save_pretrained(tmp_path)
+    tok = load_tokenizer(cfg)
+    tok(["one two three", "four"], padding=True, truncation=True, max_length=2)
+    files = tokenizer_files(tok)
+    assert "tokenizer.json" in files and files == {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert tok(["one two three", "four"], padding=True).input_ids[1][0] == tok.pad_token_id  # still pads left

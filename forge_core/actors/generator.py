@@ -20,7 +20,7 @@ from forge_core.actors import CoreShare, resolve_dtype, setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
-from forge_core.models import hf_config_dict, load_model, load_tokenizer
+from forge_core.models import hf_config_dict, load_model, load_tokenizer, tokenizer_files
 from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
 
@@ -204,6 +204,11 @@ class Generator(Actor):
     async def get_dtype(self) -> str:
         """The weight dtype (``generator.dtype``, resolved when ``auto``): what the trainer publishes."""
         return str(self.dtype).removeprefix("torch.")
+
+    @endpoint
+    async def tokenizer_files(self) -> dict:
+        """The tokenizer as ``{file name: bytes}`` (:func:`forge_core.models.tokenizer_files`)."""
+        return tokenizer_files(self.tok)
 
     @endpoint
     async def weights_digest(self) -> str:

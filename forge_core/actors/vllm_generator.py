@@ -334,6 +334,13 @@ class VllmGenerator(Actor):
         return self.dtype
 
     @endpoint
+    async def tokenizer_files(self) -> dict:
+        """The tokenizer as ``{file name: bytes}`` (:func:`forge_core.models.tokenizer_files`)."""
+        from forge_core.models import tokenizer_files
+
+        return tokenizer_files(self.tok)
+
+    @endpoint
     async def info(self) -> dict:
         """``{"startup_s", "tp", "device", "colocated"}``."""
         import torch
