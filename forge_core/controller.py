@@ -166,6 +166,7 @@ class Controller:
         self.restarts = {"generator": 0, "reward": 0, "reference": 0}
         self.skipped_batches = self.bad_in_a_row = self.checkpoint_failures = 0  # bad_in_a_row: skips in a row
         self.ref_digest = ""
+        self.tokenizer_files: dict = {}  # for final/, from a replica at the start (at the end one may be generating)
 
     async def _set(self, **attrs: Any) -> None:
         """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
@@ -502,6 +503,7 @@ class Controller:
         s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype))
         h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"])
         await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc")
+        self.tokenizer_files = await call(s.generator.name, s.generator.tokenizer_files)
         self.ref_digest = await call("reference", s.reference.digest)
         if ckpt:
             await self.restore(ckpt)
@@ -573,7 +575,7 @@ class Controller:
                 await self.sync_task
             final = os.path.join(self.out_dir, "final")
             await call("trainer", s.trainer.save, final, False)
-            for name, data in (await self._tokenizer_files()).items():
+            for name, data in self.tokenizer_files.items():
                 with open(os.path.join(final, name), "wb") as f:
                     f.write(data)
             plot_rewards(mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
@@ -585,16 +587,6 @@ class Controller:
             bar.close()
             mlog.close()
         return row
-
-    async def _tokenizer_files(self) -> dict:
-        """The tokenizer's files from a generator replica, which holds it loaded; a replica dead by
-        now: loaded here (importing transformers takes seconds, hence not by default)."""
-        g = self.svc.generator
-        try:
-            return await call(g.name, g.tokenizer_files, timeout_s=self.cfg.fault.call_timeout_s)
-        except ActorFailed:
-            from forge_core.models import load_tokenizer, tokenizer_files
-            return tokenizer_files(load_tokenizer(self.cfg.model))
 
     def _skip(self, tm: dict) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm): the batch is dropped and

@@ -123,9 +123,11 @@ def test_cli_run_outputs_and_resume(tmp_path):
         assert noise not in out, (noise, out[-3000:])
     assert (run / "reward.png").stat().st_size > 1000
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(run / "final")  # a loadable HF checkpoint
+    tok = AutoTokenizer.from_pretrained(run / "final")  # a generator's tokenizer, without its last call's settings
+    assert tok.eos_token == "<|im_end|>" and tok.backend_tokenizer.truncation is None
     # resume the same run id to 3 steps: continues at step 3, no duplicate lines
     p = _run(["steps=3", "checkpoint.every=1"], "r1", tmp_path)
     out, _ = p.communicate(timeout=600)

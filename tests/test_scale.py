@@ -703,24 +703,3 @@ def test_gpu_actors_pick_their_gpu_before_importing_torchtitan_models(monkeypatc
         type(actor).__init__(actor, **kw)
     assert order == ["init_device", "titan_model_args"]
 
-
-def test_final_tokenizer_comes_from_a_generator_or_a_dead_ones_fallback(tmp_path):
-    """The tokenizer files for ``final/`` come from generator replica 0, which holds the tokenizer;
-    when that replica is dead by then, the controller loads the tokenizer itself (the same files)."""
-    from forge_core.controller import Controller
-    from forge_core.models import load_tokenizer, tokenizer_files
-
-    cfg = load_config("smollm2_135m", ["model.name=tiny_llama", "fault.call_timeout_s=5"])
-    ctl = Controller(cfg, str(tmp_path), progress=False)
-
-    async def sent():
-        return {"tokenizer.json": b"from the generator"}
-
-    async def dead():
-        raise RuntimeError("actor generator is dead")
-
-    gen = SimpleNamespace(name="generator", tokenizer_files=_Endpoint(sent))
-    ctl.svc = SimpleNamespace(generator=gen)
-    assert asyncio.run(ctl._tokenizer_files()) == {"tokenizer.json": b"from the generator"}
-    gen.tokenizer_files = _Endpoint(dead)
-    assert asyncio.run(ctl._tokenizer_files()) == tokenizer_files(load_tokenizer(cfg.model))
