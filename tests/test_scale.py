@@ -702,4 +702,3 @@ def test_gpu_actors_pick_their_gpu_before_importing_torchtitan_models(monkeypatc
     with pytest.raises(Stop):
         type(actor).__init__(actor, **kw)
     assert order == ["init_device", "titan_model_args"]
-
