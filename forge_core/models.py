@@ -264,8 +264,9 @@ def load_tokenizer(cfg: Any):
 
 def tokenizer_files(tok: Any) -> dict[str, bytes]:
     """``{file name: bytes}`` of ``tok.save_pretrained`` (a few MB): a generator sends them to the
-    controller for ``final/``, so the controller never imports transformers (seconds per run). The
-    truncation and padding that the last call set (each call sets its own) are not saved."""
+    controller for ``final/``, so the controller never imports transformers (seconds per run). It
+    clears the truncation and padding that ``tok``'s last call left (each call sets its own), so
+    they are not saved."""
     if (backend := getattr(tok, "backend_tokenizer", None)) is not None:
         backend.no_truncation()
         backend.no_padding()
