@@ -7,7 +7,7 @@ Run from the repository root::
 
 Rows, for each thread count (``torch.set_num_threads``):
 
-- the dtype probe of :func:`forge_core.actors.matmul_probe` (``[64, 576] @ [576, 576]``, bf16 vs
+- the dtype probe of :func:`forge_core.actors.process.matmul_probe` (``[64, 576] @ [576, 576]``, bf16 vs
   fp32, best of 5) and what ``dtype: auto`` picks from it;
 - generation (:func:`forge_core.actors.generator.hf_generate`: SDPA with ``enable_gqa`` under the
   padding mask, each prompt prefilled once per group) against transformers' plain path (its
@@ -33,7 +33,7 @@ import time
 import torch
 
 from forge_core import titan
-from forge_core.actors import matmul_probe
+from forge_core.actors.process import matmul_probe
 from forge_core.actors.generator import hf_generate
 from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.data import DEFAULT_SYSTEM_PROMPT, chat_prompt, load_jsonl

@@ -196,7 +196,7 @@ class Config:
     ``max_staleness`` (an episode sampled with policy version v may train step s only if s - v <=
     this), ``buffer_capacity`` (episodes), ``seed``, ``threads_per_actor`` (torch threads of each CPU
     actor; 0: the actors computing at the moment share the host's cores, see
-    :class:`forge_core.actors.CoreShare`), ``output_dir``, ``run_id`` (resume with the same), ``resume``.
+    :class:`forge_core.actors.process.CoreShare`), ``output_dir``, ``run_id`` (resume with the same), ``resume``.
     """
 
     defaults: List[Any] = field(default_factory=lambda: [{"loss": "grpo"}, "_self_"])

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where collate runs: the reward and buffer processes never load it
+    import torch
 
 
 @dataclass
@@ -78,6 +79,8 @@ def collate(episodes: list[Episode], pad_id: int, pad_to: int = 32) -> Batch:
     Raises:
         ValueError: if ``episodes`` is empty.
     """
+    import torch
+
     if not episodes:
         raise ValueError("collate: no episodes")
     B = len(episodes)

@@ -23,7 +23,7 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     evaluates the recipe's base model. Returns ``{"accuracy_strict", "accuracy_flexible",
     "format_rate", "n", "seconds", "model"}``. Raises FileNotFoundError if ``ckpt`` is given but holds
     no ``config.json``."""
-    from forge_core.actors import resolve_dtype
+    from forge_core.actors.process import resolve_dtype
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):

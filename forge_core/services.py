@@ -222,7 +222,7 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
 
 
 def cores_dir() -> str:
-    """Where this run's CPU actors share each host's cores (:class:`forge_core.actors.CoreShare`):
+    """Where this run's CPU actors share each host's cores (:class:`forge_core.actors.process.CoreShare`):
     a directory named after the controller's process, in /dev/shm (or the temp dir)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"forge-cores-{os.getpid()}")

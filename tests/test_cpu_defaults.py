@@ -4,7 +4,7 @@ matmul probe in each actor process; an explicit dtype is never overridden; GPUs 
 import pytest
 import torch
 
-from forge_core.actors import matmul_probe, resolve_dtype
+from forge_core.actors.process import matmul_probe, resolve_dtype
 from forge_core.config import load_config
 
 

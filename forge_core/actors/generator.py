@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from monarch.actor import Actor, endpoint
 
-from forge_core.actors import CoreShare, resolve_dtype, setup_process
+from forge_core.actors.process import CoreShare, resolve_dtype, setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
@@ -132,7 +132,7 @@ class Generator(Actor):
         seed, threads: process seed and torch threads.
         replica: this replica's name (``generator`` or ``generator_<i>``); its staged weights are
             registered under it (:data:`forge_core.weight_sync.RECEIVERS`).
-        cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.CoreShare` directory.
+        cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.process.CoreShare` directory.
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,

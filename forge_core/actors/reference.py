@@ -16,7 +16,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from forge_core import titan
-from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
+from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.actors.trainer import logprobs_of, micro_batches
 from forge_core.episode import Episode
 from forge_core.models import ModelConfig, pretrained_dir
@@ -30,7 +30,7 @@ class Reference(Actor):
         model: the ``model`` config section (name, seed).
         device: ``"cpu"`` or ``"cuda"``.
         dtype: weight dtype (``generator.dtype``; ``auto``: bf16 on GPUs, the faster of bf16 and
-            fp32 on this CPU, see :func:`forge_core.actors.resolve_dtype`).
+            fp32 on this CPU, see :func:`forge_core.actors.process.resolve_dtype`).
         micro_batch_size: sequences per forward (not packing).
         tokens_per_micro_batch: packing budget (tokens per forward; 0: no packing).
         logprob_chunk: response positions per block of the chunked logprobs.

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from forge_core import titan
-from forge_core.actors import CoreShare, init_device, resolve_dtype, setup_process
+from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
 from forge_core.losses import compute_loss
 from forge_core.models import ModelConfig, hf_config_dict, pretrained_dir
@@ -120,7 +120,7 @@ class Trainer(Actor):
             sleeping colocated engine), for the activation-checkpointing estimate.
         shared_frac: fraction of this GPU's memory a colocated engine that never sleeps keeps
             (its ``gpu_memory_utilization``), for the same estimate.
-        cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.CoreShare` directory.
+        cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.process.CoreShare` directory.
     """
 
     def __init__(self, trainer: dict, model: dict, loss: dict, *, device: str, publish_dtype: str, temperature: float,

@@ -179,7 +179,7 @@ class VllmGenerator(Actor):
                  bucket_mb: int = 1024):
         from omegaconf import OmegaConf
 
-        from forge_core.actors import setup_process
+        from forge_core.actors.process import setup_process
         from forge_core.layout import visible_devices
 
         g = self.g = OmegaConf.create(generator)
