@@ -334,9 +334,12 @@ def sbatch_script(spec: JobSpec) -> str:
 
 
 def sbatch_env(secrets: bool) -> dict[str, str]:
-    """The environment of the sbatch call: this one less the secrets and the names that are not valid
+    """The environment of the sbatch call: this one less the secrets, any variable holding a secret's
+    value (make's ``MAKEFLAGS`` after ``make slurm HF_TOKEN=...``) and the names that are not valid
     identifiers, plus ``$FORGE_SLURM_SECRETS`` when ``secrets``. Its names are sbatch's ``--export`` list."""
-    env = {k: v for k, v in os.environ.items() if k not in (*SECRETS, SECRETS_ENV) and _NAME.fullmatch(k)}
+    held = [v for k in SECRETS if len(v := os.environ.get(k, "")) >= 6]
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*SECRETS, SECRETS_ENV) and _NAME.fullmatch(k) and not any(h in v for h in held)}
     return {**env, SECRETS_ENV: str(secrets_file("").parent)} if secrets else env
 
 

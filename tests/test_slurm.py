@@ -159,6 +159,7 @@ def test_submit_exports_names_only_and_hands_secrets_over_in_a_private_file(monk
     monkeypatch.setenv("HF_TOKEN", "hf_test_SECRET123")
     monkeypatch.setenv("WANDB_API_KEY", "wandb_test_SECRET456")
     monkeypatch.setenv("BASH_FUNC_x%%", "() { :; }")  # not a variable name: not exported
+    monkeypatch.setenv("MAKEFLAGS", " -- HF_TOKEN=hf_test_SECRET123")  # `make slurm HF_TOKEN=...`: not exported
     monkeypatch.setattr(slurm, "LAST_JOB", tmp_path / "last.json")
     monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
     spec = slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, f"output_dir={tmp_path}/runs"])
@@ -169,7 +170,8 @@ def test_submit_exports_names_only_and_hands_secrets_over_in_a_private_file(monk
     assert {"PATH", "HOME", "FAKE_OUT", "FORGE_SLURM_SECRETS"} <= set(export)
     assert not set(slurm.SECRETS) & set(export) and "BASH_FUNC_x%%" not in export
     sbatch_env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
-    assert not {"hf_test_SECRET123", "wandb_test_SECRET456"} & set(sbatch_env.values())  # sbatch never sees one
+    assert not [v for v in sbatch_env.values() if "hf_test_SECRET123" in v or "wandb_test_SECRET456" in v]  # none
+    assert "MAKEFLAGS" not in export
     folder = Path(rec["folder"])
     assert args[0] == "--parsable" and len(args) == 2  # the script comes on stdin: what the dry run prints
     assert (tmp_path / "script").read_text() == (folder / "4242_submission.sh").read_text() == slurm.sbatch_script(spec)
