@@ -15,16 +15,20 @@ and ``loss.clip_high=0.3`` sets one of its own parameters.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
+import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from forge_core.data import DataConfig
-from forge_core.advantages import AdvantageConfig
-from forge_core.losses import LOSS_CONFIGS, LossConfig
+from forge_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from forge_core.losses import LOSS_CONFIGS, LossConfig, validate_loss
 from forge_core.models import ModelConfig
 from forge_core.rewards import RewardConfig
 
@@ -241,6 +245,7 @@ def _check(cfg: DictConfig, where: str) -> None:
     choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
                "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
+               "advantage.estimator": ADVANTAGE_ESTIMATORS,
                "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",)}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
@@ -250,16 +255,26 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions", "generator.max_num_seqs",
                 "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
                 "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
-                "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size")
+                "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size", "trainer.max_grad_norm",
+                "trainer.tp", "layout.nodes")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
-                    "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "loss.beta",
-                    "max_staleness")
+                    "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
+                    "advantage.eps", "layout.gpus_per_node")
     fractions = ("generator.top_p", "generator.gpu_memory_utilization")
     for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                            (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):
         for key in keys:
             if not ok(v := OmegaConf.select(cfg, key)):
                 raise ConfigError(f"{where}: {key} must be {what}, got {v}")
+    if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
+        raise ConfigError(f"{where}: trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
+    try:
+        validate_loss(cfg.loss)
+    except ValueError as e:
+        raise ConfigError(f"{where}: loss={cfg.loss.name}: {e}") from None
+    if cfg.reward.fn and not _importable(cfg.reward.fn.partition(":")[0]):
+        raise ConfigError(f"{where}: reward.fn={cfg.reward.fn!r}: no module {cfg.reward.fn.partition(':')[0]!r} "
+                          f"to import (expected 'package.module:function')")
     seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
@@ -289,6 +304,23 @@ def _check(cfg: DictConfig, where: str) -> None:
                           f"cross hosts; use auto, nccl or rdma")
 
 
+def _did_you_mean(key: str) -> str:
+    """`` (did you mean 'trainer.lr'?)``: the schema's closest dotted key to ``key`` (any loss's), or ''."""
+    def flat(d: dict, pre: str = "") -> list[str]:
+        return [k2 for k, v in d.items() for k2 in (flat(v, f"{pre}{k}.") if isinstance(v, dict) else [pre + k])]
+    keys = flat(OmegaConf.to_container(OmegaConf.structured(Config)))
+    keys += [f"loss.{f.name}" for c in LOSS_CONFIGS.values() for f in dataclasses.fields(c)]
+    near = difflib.get_close_matches(key, keys, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return bool(module) and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, a relative name
+        return False
+
+
 def recipe_dir(recipe: str) -> str:
     """Absolute path of a recipe folder: a name under ``recipes/`` or a path to a folder. Raises
     ConfigError if the folder or its ``config.yaml`` does not exist."""
@@ -313,17 +345,28 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     register()
-    d = recipe_dir(recipe)
+    d, overrides = recipe_dir(recipe), list(overrides or [])
     where = os.path.join(d, "config.yaml")
+    if bad := [o for o in overrides if o.startswith(("+", "~"))]:
+        raise ConfigError(f"override {bad[0]!r}: the schema's keys are fixed (no '+' to add a key, '~' to delete "
+                          f"one): set an existing key as key=value (make check lists them)")
     try:
         with initialize_config_dir(config_dir=d, version_base=None):
-            cfg = compose(config_name="config", overrides=list(overrides or []))
+            cfg = compose(config_name="config", overrides=overrides)
+        if OmegaConf.get_type(cfg) is not Config:
+            raise ConfigError(f"{where}: must start with 'defaults: [base, _self_]' (the schema it overrides)")
         with open_dict(cfg):
             cfg.recipe = os.path.basename(d)
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:  # YAMLError: not YAML, a duplicate key
         msg = " ".join(str(x).strip() for x in (e, e.__cause__) if x).replace("\n", " ")
+        if (key := re.search(r"full_key: (\S+)", msg)) and re.search(r"Could not override|Key '\w+' not in", msg):
+            o = next((o for o in overrides if f"{o.partition('=')[0]}.".startswith(f"{key[1]}.")), "")
+            k = o.partition("=")[0] or key[1]
+            raise ConfigError(f"{f'override {o!r}' if o else where}: unknown key {k!r}{_did_you_mean(k)}") from None
+        if "subclass of LossConfig" in msg:
+            msg = "a recipe picks its loss in its defaults list, e.g. defaults: [base, {override loss: dapo}, _self_]"
         raise ConfigError(f"{where}: {msg}") from None
-    _check(cfg, where)
+    _check(cfg, f"{where} + overrides" if overrides else where)
     OmegaConf.set_readonly(cfg, True)
     return cfg

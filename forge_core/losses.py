@@ -339,8 +339,9 @@ def _policy_term(cfg: Any, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tenso
     return _PolicyTerm(-obj, r, clipped_low, clipped_high, extra)
 
 
-def _validate(cfg: Any) -> None:
-    """Check a loss config (dataclass or DictConfig). Raises ValueError."""
+def validate_loss(cfg: Any) -> None:
+    """Check a loss config (dataclass or DictConfig; ``make check`` calls it too).
+    Raises ValueError naming the field."""
     name = cfg.name
     if name not in LOSS_CONFIGS:
         raise ValueError(f"unknown loss name={name!r}; expected one of {sorted(LOSS_CONFIGS)}")
@@ -402,7 +403,7 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
             for advantages), an empty batch, or ``beta > 0`` without ``ref_logprobs``.
         TypeError: inputs that are not tensors.
     """
-    _validate(cfg)
+    validate_loss(cfg)
     _check_2d("logprobs", logprobs)
     shape = logprobs.shape
     _check_2d("behaviour_logprobs", behaviour_logprobs, shape)

@@ -46,11 +46,31 @@ def test_bad_override_names_the_key(override, key):
     ("checkpoint.every=-1", "checkpoint.every must be >= 0"), ("fault.max_restarts=-1", "fault.max_restarts must be >= 0"),
     ("threads_per_actor=-2", "threads_per_actor must be >= 0"), ("trainer.lr=-1e-5", "trainer.lr must be >= 0"),
     ("generator.top_p=2", "generator.top_p must be in (0, 1]"), ("generator.top_p=0", "generator.top_p must be in"),
-    ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization must be in (0, 1]")])
+    ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization must be in (0, 1]"),
+    ("loss.kl_estimator=k9", "loss=grpo: unknown kl_estimator='k9'"), ("loss.aggregation=x", "unknown aggregation='x'"),
+    ("loss.clip_low=-1", "clip_low must be >= 0"), ("loss.dual_clip=0.5", "dual_clip must be > 1"),
+    ("loss=sapo loss.tau_pos=0", "loss=sapo: tau_pos must be > 0"), ("loss.beta=-1", "beta must be >= 0"),
+    ("advantage.estimator=foo", "advantage.estimator='foo' must be one of"), ("advantage.eps=-1", "advantage.eps must"),
+    ("trainer.max_grad_norm=-1", "trainer.max_grad_norm must be > 0"), ("trainer.tp=0", "trainer.tp must be > 0"),
+    ("trainer.betas=[2,3]", "trainer.betas=[2.0, 3.0] must be two numbers in [0, 1)"), ("trainer.betas=[0.9]", "betas"),
+    ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'")])
 def test_out_of_range_value_names_the_key(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config("smollm2_135m", override.split())
+    load_config("smollm2_135m", ["checkpoint.every=0", "fault.max_restarts=0", "generator.top_p=1.0", "trainer.lr=0",
+                                 "reward.fn=forge_core.rewards:gsm8k_reward", "trainer.betas=[0,0.95]"])
+
+
+@pytest.mark.parametrize("override,says", [
+    ("trainer.lrr=1", "override 'trainer.lrr=1': unknown key 'trainer.lrr' (did you mean 'trainer.lr'?)"),
+    ("generatr.group_size=3", "unknown key 'generatr.group_size' (did you mean 'generator.group_size'?)"),
+    ("loss.clip_hi=0.3", "(did you mean 'loss.clip_high'?)"), ("+stepz=3", "override '+stepz=3': the schema's keys"),
+    ("~trainer.lr", "no '+' to add a key, '~' to delete one")])
+def test_unknown_or_added_key_is_named_with_the_closest_one(override, says):
+    """A misspelled override names itself and the schema's closest key; '+' would add a key the
+    schema does not have (silently ignored by every actor), '~' delete one the actors read."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
         load_config("smollm2_135m", [override])
-    load_config("smollm2_135m", ["checkpoint.every=0", "fault.max_restarts=0", "generator.top_p=1.0", "trainer.lr=0"])
 
 
 def test_misspelled_key_in_recipe_file(tmp_path):
@@ -61,7 +81,10 @@ def test_misspelled_key_in_recipe_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(d))
     assert "learning_rate" in str(e.value) and "config.yaml" in str(e.value)
-    for bad, says in (("trainer:\n  lr: [1e-5\n", "line 2"), ("steps: 3\nsteps: 4\n", "duplicate key steps")):
+    assert "did you mean 'trainer.lr'?" in str(e.value)
+    for bad, says in (("trainer:\n  lr: [1e-5\n", "line 2"), ("steps: 3\nsteps: 4\n", "duplicate key steps"),
+                      ("steps: 3\n", "must start with 'defaults: \\[base, _self_\\]'"),
+                      ("defaults: [base, _self_]\nloss: dapo\n", "override loss: dapo")):
         (d / "config.yaml").write_text(bad)  # not YAML: a ConfigError naming the file and where, no traceback
         with pytest.raises(ConfigError, match=f"{re.escape(str(d / 'config.yaml'))}: .*{says}"):
             load_config(str(d))
