@@ -85,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("recipe", help="recipe name under recipes/ or a path to a recipe folder")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.lr=1e-6 steps=5 loss=dapo")
     p.add_argument("--ckpt", default=None, help="eval: an HF checkpoint directory (default: the base model)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # --ckpt before or after the overrides
 
     from forge_core.config import ConfigError, load_config
     from forge_core.controller import ActorFailed, Controller
@@ -94,15 +94,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         cfg = load_config(a.recipe, a.overrides)
+        if a.command == "check":  # the config, and whether this machine could run it
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(cfg))
+            try:
+                preflight(cfg)
+            except PreflightError as e:
+                print(f"note: the config is valid, but it {e}", file=sys.stderr)
+            return 0
         preflight(cfg)
     except (ConfigError, PreflightError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.command == "check":
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(cfg))
-        return 0
     try:
         if a.command == "eval":
             from forge_core.evaluate import evaluate

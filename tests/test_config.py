@@ -117,6 +117,20 @@ def test_gpu_recipe_fails_fast_on_cpu():
     assert "Traceback" not in r.stderr
 
 
+def test_check_prints_a_gpu_recipe_on_cpu_and_says_why_it_cannot_run_here():
+    r = _cli("check", "qwen3_1_7b")
+    assert r.returncode == 0 and "name: qwen3_1_7b" in r.stdout and "Traceback" not in r.stderr
+    assert r.stderr.startswith("note: the config is valid, but it cannot run here") and "needs device=cuda" in r.stderr
+
+
+def test_eval_takes_ckpt_before_or_after_the_overrides(tmp_path):
+    for args in (["--ckpt", str(tmp_path / "nope"), "eval.num_questions=2"],
+                 ["eval.num_questions=2", "--ckpt", str(tmp_path / "nope")]):
+        r = _cli("eval", "smollm2_135m", *args, env={"GSM8K_DIR": str(tmp_path)})
+        assert r.returncode == 2 and "unrecognized arguments" not in r.stderr, r.stderr
+        assert "train.jsonl" in r.stderr  # the preflight's complaint about GSM8K_DIR, after parsing
+
+
 def test_gated_model_without_token():
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     r = subprocess.run([sys.executable, "-m", "launch.local", "run", "llama3_8b"], cwd=ROOT,
