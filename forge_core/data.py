@@ -63,19 +63,20 @@ def parse_row(row: Any, where: str) -> Problem:
 
 def load_jsonl(path: str) -> list[Problem]:
     """All problems in a GSM8K JSONL file. Raises DataError if the file is missing, or a line is not
-    valid JSON or not a valid row."""
+    UTF-8, not valid JSON or not a valid row (naming ``file:line``)."""
     if not os.path.isfile(path):
         raise DataError(f"GSM8K file not found: {path} (set data.dir or GSM8K_DIR to a directory "
                         f"holding train.jsonl and test.jsonl)")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
             try:
-                out.append(parse_row(json.loads(line), f"{path}:{i}"))
+                if (line := raw.decode("utf-8")).strip():
+                    out.append(parse_row(json.loads(line), f"{path}:{i}"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not out:
         raise DataError(f"{path}: no rows")
     return out

@@ -44,8 +44,12 @@ def test_row_without_answer_marker_names_file_and_line(tmp_path):
 
 def test_bad_json_and_missing_field(tmp_path):
     _write(tmp_path / "a.jsonl", ["{not json"])
-    with pytest.raises(DataError, match=r"a\.jsonl:1: not valid JSON"):
+    with pytest.raises(DataError, match=r"a\.jsonl:1: not valid JSON \(Expecting property name enclosed in double "
+                                         r"quotes at column 2\)"):
         load_jsonl(str(tmp_path / "a.jsonl"))
+    (tmp_path / "c.jsonl").write_bytes(b'{"question": "a", "answer": "#### 1"}\n\xff\xfe{"question"}\n')
+    with pytest.raises(DataError, match=r"c\.jsonl:2: not UTF-8 text \(byte 1 of the line\)"):
+        load_jsonl(str(tmp_path / "c.jsonl"))
     _write(tmp_path / "b.jsonl", [{"question": "q"}])
     with pytest.raises(DataError, match=r"b\.jsonl:1: expected an object"):
         load_jsonl(str(tmp_path / "b.jsonl"))
