@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from forge_core.actors.generator import hf_generate
 from forge_core.data import chat_prompt, load_gsm8k
-from forge_core.models import gqa_sdpa, hf_config_dict, load_model, load_tokenizer
+from forge_core.models import ModelSourceError, gqa_sdpa, hf_config_dict, load_model, load_tokenizer
 from forge_core.rewards import extract_answer
 
 
@@ -22,14 +22,17 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     ``ckpt``: an HF-format checkpoint directory (e.g. ``runs/<recipe>/<run>/final``); ``None``
     evaluates the recipe's base model. Returns ``{"accuracy_strict", "accuracy_flexible",
     "format_rate", "n", "seconds", "model"}``. Raises FileNotFoundError if ``ckpt`` is given but holds
-    no ``config.json``."""
+    no ``config.json``, ModelSourceError if it does not load (the message names it)."""
     from forge_core.actors.process import resolve_dtype
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
             raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=gqa_sdpa()).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=gqa_sdpa()).eval()
+        except (OSError, ValueError) as e:  # no weights, a config.json without model_type, ...
+            raise ModelSourceError(f"CKPT={ckpt}: cannot load it as an HF checkpoint: {str(e)[:500]}") from None
     else:
         model = load_model(cfg.model, dtype=dtype)
     tok = load_tokenizer(cfg.model)

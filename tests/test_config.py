@@ -131,6 +131,15 @@ def test_eval_takes_ckpt_before_or_after_the_overrides(tmp_path):
         assert "train.jsonl" in r.stderr  # the preflight's complaint about GSM8K_DIR, after parsing
 
 
+def test_eval_of_a_checkpoint_that_does_not_load_names_it(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text("{}")  # no model_type
+    r = _cli("eval", "smollm2_135m", "--ckpt", str(tmp_path / "ck"), env={"GSM8K_DIR": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"CKPT={tmp_path / 'ck'}: cannot load it as an HF checkpoint" in r.stderr and "model_type" in r.stderr
+
+
 def test_gated_model_without_token():
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     r = subprocess.run([sys.executable, "-m", "launch.local", "run", "llama3_8b"], cwd=ROOT,
