@@ -281,9 +281,11 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
 
     Raises:
         ConfigError: bad recipe or override (names the key).
-        SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES.
+        SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES, a gated
+            model without HF_TOKEN (as ``make check`` and ``make sky``: before SLURM allocates anything).
     """
     from forge_core.config import load_config, recipe_dir
+    from forge_core.models import gated_without_token
 
     prof, ppath = load_profile(profile_name)
     parts = cluster_partitions() if check_cluster else None
@@ -299,6 +301,8 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     run_root = os.path.abspath(cfg.output_dir)
     overrides.append(f"output_dir={run_root}")  # the job must not depend on its working directory
     cfg = load_config(recipe, overrides)  # exactly what node 0 will compose (run_id: the job id)
+    if gated := gated_without_token(cfg.model):
+        raise SlurmError(gated)
     folder = os.path.join(run_root, "%j", "slurm")
     n = int(cfg.layout.nodes)
     mem = None if prof.mem_gb is None else (f"{int(prof.mem_gb)}GB" if float(prof.mem_gb).is_integer()

@@ -105,8 +105,24 @@ def test_unknown_partition_is_named(monkeypatch):
         slurm.build_job("smollm2_135m", "example")
 
 
+def test_gated_model_without_token_is_refused_before_submitting(monkeypatch, capsys, tmp_path):
+    # as make check / make sky: refused here (also a dry run), not on node 0 after SLURM allocated the job
+    monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
+    monkeypatch.setattr(slurm, "LAST_JOB", tmp_path / "last.json")
+    for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    for dry in (["--dry-run"], []):
+        assert slurm.main(["submit", "llama3_8b", "--cluster", "example", *dry, f"output_dir={tmp_path}"]) == 2
+        cap = capsys.readouterr()
+        assert "'llama3_8b' (" in cap.err and "HF_TOKEN is not set" in cap.err and "export HF_TOKEN" in cap.err
+        assert "#!/bin/bash" not in cap.out and not (tmp_path / "last.json").exists()
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_x")  # the legacy name is enough, as for huggingface_hub
+    assert slurm.build_job("llama3_8b", "example", overrides=[f"output_dir={tmp_path}"]).nodes == 2
+
+
 def test_job_parameters_come_from_recipe_and_profile(monkeypatch, tmp_path):
     monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
+    monkeypatch.setenv("HF_TOKEN", "hf_x")  # llama3_8b is gated
     spec = slurm.build_job("llama3_8b", "example", overrides=[f"output_dir={tmp_path}"], check_cluster=True)
     # nodes and GPUs from the recipe's layout; partition, account, ... from the profile
     assert spec.sbatch["nodes"] == 2 and spec.sbatch["gpus-per-node"] == 8
