@@ -109,7 +109,8 @@ def load_profile(name: str) -> tuple[Profile, Path]:
 
     Raises:
         SlurmError: the profile does not exist (lists the known ones), a key is unknown (names it,
-            with the closest known key), a value has the wrong type, or ``sbatch`` sets ``export``.
+            with the closest known key), a value has the wrong type, a number is not > 0
+            (``max_requeues_on_timeout``: < 0), or ``sbatch`` sets ``export``.
     """
     import yaml
 
@@ -133,6 +134,9 @@ def load_profile(name: str) -> tuple[Profile, Path]:
         want = _TYPES[key]
         if value is not None and not (isinstance(value, want) and not (want is int and isinstance(value, bool))):
             raise SlurmError(f"{path}: {key}={value!r} has the wrong type (expected {getattr(want, '__name__', want)})")
+        zero_ok = key == "max_requeues_on_timeout"  # every other number (minutes, GB, CPUs, s, port): > 0
+        if want in (int, (int, float)) and value is not None and (value < 0 or (value == 0 and not zero_ok)):
+            raise SlurmError(f"{path}: {key}={value!r} is out of range (must be {'>= 0' if zero_ok else '> 0'})")
     prof = Profile(**{k: v for k, v in data.items() if v is not None})
     if not all(isinstance(line, str) for line in prof.setup):
         raise SlurmError(f"{path}: setup must be a list of shell lines (strings)")

@@ -85,6 +85,15 @@ def test_profile_wrong_type_is_named(tmp_path):
         slurm.load_profile(_profile(tmp_path, "time_min: soon\n"))
 
 
+@pytest.mark.parametrize("text", ["time_min: -5", "mem_gb: -1", "cpus_per_task: 0", "signal_delay_s: -1",
+                                  "attach_timeout_s: 0.0", "monarch_port: 0", "max_requeues_on_timeout: -1"])
+def test_profile_value_out_of_range_is_named(tmp_path, text):
+    key, value = text.split(": ")
+    with pytest.raises(slurm.SlurmError, match=rf"prof\.yaml: {key}={value} is out of range \(must be >"):
+        slurm.load_profile(_profile(tmp_path, f"partition: dev\n{text}\n"))
+    assert slurm.load_profile(_profile(tmp_path, "max_requeues_on_timeout: 0\nmem_gb: 0.5\n"))[0].mem_gb == 0.5
+
+
 def test_profile_sbatch_export_is_refused(tmp_path):
     """sbatch's --export is the launcher's (the command line would silently override the profile's)."""
     for key in ("export", "--export", "export-file"):
