@@ -76,6 +76,22 @@ def parse_task(cfg: dict, secrets: Mapping[str, str]):
                                      secrets_overrides=list(secrets.items()) or None)
 
 
+def layout_mismatch(task, cfg, task_file: str, forge_args: str = "") -> Optional[str]:
+    """The error message when ``task`` (a parsed ``sky.Task``) does not ask for config ``cfg``'s layout
+    (``forge_args``: the overrides it was composed with): its ``num_nodes`` is not ``layout.nodes``, or
+    an option of its ``resources`` has fewer accelerators per node than ``layout.gpus_per_node``; else None."""
+    nodes, gpus = int(cfg.layout.nodes), int(cfg.layout.gpus_per_node)
+    per_node = min((sum((r.accelerators or {}).values()) for r in task.resources), default=0)
+    bad = [f"num_nodes is {task.num_nodes}, layout.nodes is {nodes}"] if task.num_nodes != nodes else []
+    if per_node < gpus:
+        bad.append(f"resources ask for {per_node:g} accelerator(s) per node, layout.gpus_per_node is {gpus}")
+    if not bad:
+        return None
+    how = (f"the overrides {forge_args!r} change the layout, and the task file must match it (copy the recipe "
+           f"folder and edit both files)" if "layout" in forge_args else "edit it to match the recipe's config")
+    return f"{relpath(task_file)} does not ask for the recipe's layout: {'; '.join(bad)}; {how}"
+
+
 def redacted_yaml(task) -> str:
     """The task as SkyPilot parsed it, as YAML, with secret values shown as ``<redacted>``."""
     import yaml
@@ -105,10 +121,11 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     """``make sky``: check locally, then ``sky launch -c CLUSTER TASK --env FORGE_RECIPE=... --secret ...``.
 
     Checks first, before any cloud call, that the config (with ``forge_args``) composes, a gated
-    model has HF_TOKEN and SkyPilot parses the task file. Secrets set here go as ``--secret NAME``
-    (value from this environment). ``bucket``: a derived task file adds the checkpoint mount
-    (``FORGE_CKPT_DIR``, mode MOUNT). ``dry_run``: print the command and the parsed task (secrets
-    redacted), launch nothing. Returns the exit code.
+    model has HF_TOKEN, SkyPilot parses the task file and the task asks for the recipe's layout
+    (:func:`layout_mismatch`). Secrets set here go as ``--secret NAME`` (value from this environment).
+    ``bucket``: a derived task file adds the checkpoint mount (``FORGE_CKPT_DIR``, mode MOUNT).
+    ``dry_run``: print the command and the parsed task (secrets redacted), launch nothing.
+    Returns the exit code.
     """
     from forge_core.config import ConfigError, load_config
     from forge_core.models import gated_without_token
@@ -124,6 +141,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
         tcfg = task_config(yaml_path, rel, bucket, forge_args)
         secrets = {k: env[k] for k in SECRETS if env.get(k)}
         task = parse_task(tcfg, secrets)
+        if mismatch := layout_mismatch(task, cfg, yaml_path, forge_args):
+            raise SkyError(mismatch)
     except (SkyError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

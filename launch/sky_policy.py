@@ -9,8 +9,9 @@ For a task whose ``FORGE_RECIPE`` is empty (an explicit ``--env FORGE_RECIPE=x``
 always wins) launched from a task file (:func:`task_file_from_argv`) in a recipe folder (one holding
 ``config.yaml``) inside the task's workdir, it sets ``FORGE_RECIPE`` to the folder relative to the
 workdir (``recipes/my_exp``) and prints one line saying so. It rejects the request, before anything
-is provisioned, when the folder is outside the workdir (the cluster would not get its config) or its
-model is gated and no ``HF_TOKEN`` secret is given (``--secret HF_TOKEN``). Other tasks (other
+is provisioned, when the folder is outside the workdir (the cluster would not get its config), its
+model is gated and no ``HF_TOKEN`` secret is given (``--secret HF_TOKEN``), or the task does not ask
+for the recipe's layout (:func:`launch.sky.layout_mismatch`). Other tasks (other
 projects', the Python API, ``make sky``'s derived files) pass through unchanged; the cluster side
 then falls back to the layout match in :func:`launch.sky_node.resolve_recipe`.
 
@@ -52,12 +53,14 @@ def task_file_from_argv(argv: Sequence[str], run: Optional[str]) -> Optional[str
     return found[0] if len(found) == 1 else None
 
 
-def _gated_message(folder: str, task) -> Optional[str]:
-    """forge_core.models.gated_without_token for the recipe's model, the task's secrets as the env;
-    None also when the project's dependencies are not importable here (the cluster then checks)."""
+def _recipe_problem(folder: str, task, path: str) -> Optional[str]:
+    """forge_core.models.gated_without_token for the recipe's model (the task's secrets as the env),
+    then launch.sky.layout_mismatch of the task file ``path``; None also when the project's
+    dependencies are not importable here (the cluster then checks)."""
     try:
         from forge_core.config import ConfigError, load_config
         from forge_core.models import gated_without_token
+        from launch.sky import layout_mismatch
     except ImportError:
         return None
     forge_args = (task.envs or {}).get("FORGE_ARGS", "")
@@ -67,15 +70,15 @@ def _gated_message(folder: str, task) -> Optional[str]:
         return None  # the cluster's check names the bad key; this policy only adds the path
     secrets = {k: str(v.get_secret_value() if hasattr(v, "get_secret_value") else v)
                for k, v in (task.secrets or {}).items() if v}
-    return gated_without_token(cfg.model, secrets)
+    return gated_without_token(cfg.model, secrets) or layout_mismatch(task, cfg, path, forge_args)
 
 
 class RecipeFromTaskPath(sky.AdminPolicy):
     """Set ``FORGE_RECIPE`` from the launched task file's folder; see the module docstring.
 
     Raises:
-        sky.exceptions.UserRequestRejectedByPolicy: the recipe folder is outside the workdir, or
-            its model is gated and the task has no ``HF_TOKEN`` secret.
+        sky.exceptions.UserRequestRejectedByPolicy: the recipe folder is outside the workdir, its
+            model is gated and the task has no ``HF_TOKEN`` secret, or the task does not ask for its layout.
     """
 
     @classmethod
@@ -97,8 +100,8 @@ class RecipeFromTaskPath(sky.AdminPolicy):
                 f"recipe folder {folder} is not inside the task's workdir "
                 f"({workdir or 'none'}), so the cluster would not get its config.yaml: "
                 f"run sky launch from the repository root with the folder under recipes/")
-        if gated := _gated_message(folder, task):
-            raise exceptions.UserRequestRejectedByPolicy(gated)
+        if problem := _recipe_problem(folder, task, path):
+            raise exceptions.UserRequestRejectedByPolicy(problem)
         task.update_envs({"FORGE_RECIPE": rel})
         print(f"[forge] recipe {rel} (from the task file {os.path.relpath(path)}): "
               f"FORGE_RECIPE={rel}", file=sys.stderr, flush=True)

@@ -250,6 +250,11 @@ def test_plain_sky_launch_of_a_copy_runs_the_copy(tmp_path):
     assert rc != 0 and "--secret HF_TOKEN" in err and "UserRequestRejectedByPolicy" in err, err
     rc, envs, err = client_side(wd, "recipes/gated_copy/sky.yaml", "--secret", "HF_TOKEN=hf_x")
     assert rc == 0 and envs["FORGE_RECIPE"] == "recipes/gated_copy", err
+    # So is a task file that does not ask for the recipe's layout (as make sky refuses it).
+    sky_yaml = wd / "recipes" / "my_exp" / "sky.yaml"
+    sky_yaml.write_text(sky_yaml.read_text().replace("num_nodes: 1", "num_nodes: 2"))
+    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml")
+    assert rc != 0 and "num_nodes is 2, layout.nodes is 1" in err and "UserRequestRejectedByPolicy" in err, err
     # A recipe folder outside the workdir would reach the cluster without its config.yaml.
     shutil.copytree(wd / "recipes" / "qwen3_1_7b", tmp_path / "elsewhere")
     rc, envs, err = client_side(wd, str(tmp_path / "elsewhere" / "sky.yaml"))
@@ -332,6 +337,28 @@ def test_malformed_task_file_gives_skypilots_error_naming_the_field(tmp_path, ca
     assert ls.main(["launch", str(folder), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert field in err and "sky.yaml" in err, err
+
+
+def test_task_that_does_not_ask_for_the_layout_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    # an override that changes the layout: the task file (H100:3 / H200:3) no longer matches it
+    args = "layout.gpus_per_node=4 layout.reference.gpus=2"
+    assert ls.main(["launch", "qwen3_1_7b", "--dry-run", "--args", args]) == 2
+    err = capsys.readouterr().err
+    assert "recipes/qwen3_1_7b/sky.yaml does not ask for the recipe's layout: resources ask for 3 accelerator(s) " \
+           "per node, layout.gpus_per_node is 4; the overrides" in err and "task file must match" in err, err
+    # a copied recipe whose sky.yaml was edited: more nodes, or fewer GPUs per node, than the layout
+    folder = tmp_path / "my_exp"
+    shutil.copytree(ROOT / "recipes" / "qwen3_1_7b", folder)
+    text = (folder / "sky.yaml").read_text()
+    for old, new, msg in (("num_nodes: 1", "num_nodes: 2", "num_nodes is 2, layout.nodes is 1"),
+                          ("H100:3", "H100:2", "2 accelerator(s) per node, layout.gpus_per_node is 3")):
+        (folder / "sky.yaml").write_text(text.replace(old, new))
+        assert ls.main(["launch", str(folder), "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"{folder}/sky.yaml does not ask for the recipe's layout: " in err and msg in err, err
+    (folder / "sky.yaml").write_text(text.replace("H100:3", "H100:8"))  # more GPUs than the layout uses: fine
+    assert ls.main(["launch", str(folder), "--dry-run"]) == 0, capsys.readouterr().err
 
 
 def test_gated_model_without_token_fails_at_launch(monkeypatch, capsys):
