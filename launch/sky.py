@@ -16,7 +16,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Mapping, Optional, Sequence
 
 from launch.common import SECRETS
@@ -123,7 +122,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     Checks first, before any cloud call, that the config (with ``forge_args``) composes, a gated
     model has HF_TOKEN, SkyPilot parses the task file and the task asks for the recipe's layout
     (:func:`layout_mismatch`). Secrets set here go as ``--secret NAME`` (value from this environment).
-    ``bucket``: a derived task file adds the checkpoint mount (``FORGE_CKPT_DIR``, mode MOUNT).
+    ``bucket``: a derived task file, ``runs/<recipe>/sky-<cluster>.yaml`` (kept), adds the checkpoint
+    mount (``FORGE_CKPT_DIR``, mode MOUNT).
     ``dry_run``: print the command and the parsed task (secrets redacted), launch nothing.
     Returns the exit code.
     """
@@ -149,34 +149,30 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     except Exception as e:  # SkyPilot's own validation errors (ValueError, InvalidSkyPilotConfigError, ...)
         print(f"error: {yaml_path}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    entry = yaml_path
-    if bucket:
+    name, entry = cluster or cluster_name(folder), yaml_path
+    if bucket:  # the derived task file stays, so the command printed (also by a dry run) can be run again
         import yaml
 
-        fd, entry = tempfile.mkstemp(prefix=f"sky-{os.path.basename(folder)}-", suffix=".yaml")
-        with os.fdopen(fd, "w") as f:
+        entry = os.path.join(ROOT, "runs", os.path.basename(folder), f"sky-{name}.yaml")
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        with open(entry, "w") as f:
             yaml.safe_dump(tcfg, f, sort_keys=False)
-    name = cluster or cluster_name(folder)
     cmd = [_sky_bin(), "jobs", "launch", "-n", name] if managed else [_sky_bin(), "launch", "-c", name]
     cmd += [relpath(entry), "--env", f"FORGE_RECIPE={rel}"]
     cmd += ["--env", f"FORGE_ARGS={forge_args}"] if forge_args else []
     cmd += [x for k in secrets for x in ("--secret", k)] + list(extra)
     shown = shlex.join(["sky"] + cmd[1:])
-    try:
-        if not dry_run:
-            print(f"+ {shown}", flush=True)
-            return subprocess.call(cmd, cwd=ROOT)  # workdir '.' is the repository root
-        print(f"# recipe {rel}: {cfg.layout.nodes} node(s) x {cfg.layout.gpus_per_node} GPU(s), "
-              f"model {cfg.model.name}; secrets passed: {', '.join(secrets) or 'none'}")
-        print(f"# command (run from {ROOT}):\n{shown}")
-        if bucket:
-            print(f"# ({relpath(entry)}: {relpath(yaml_path)} plus the checkpoint bucket mount)")
-        print("# task as SkyPilot parsed it:")
-        print(redacted_yaml(task), end="")
-        return 0
-    finally:
-        if bucket:
-            os.unlink(entry)
+    if not dry_run:
+        print(f"+ {shown}", flush=True)
+        return subprocess.call(cmd, cwd=ROOT)  # workdir '.' is the repository root
+    print(f"# recipe {rel}: {cfg.layout.nodes} node(s) x {cfg.layout.gpus_per_node} GPU(s), "
+          f"model {cfg.model.name}; secrets passed: {', '.join(secrets) or 'none'}")
+    print(f"# command (run from {ROOT}):\n{shown}")
+    if bucket:
+        print(f"# ({relpath(entry)}: {relpath(yaml_path)} plus the checkpoint bucket mount)")
+    print("# task as SkyPilot parsed it:")
+    print(redacted_yaml(task), end="")
+    return 0
 
 
 def down(recipe: str, cluster: Optional[str] = None, yes: bool = False) -> int:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -283,14 +284,21 @@ def test_sky_cli_applies_the_recipe_policy(tmp_path):
 def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
     monkeypatch.setenv("WANDB_API_KEY", "")
+    monkeypatch.setattr(ls, "ROOT", str(tmp_path))  # the derived task file goes to ROOT/runs/<recipe>/
     rc = ls.main(["launch", "qwen3_1_7b", "--dry-run", "--bucket", "my-ckpts",
                   "--args", "steps=5 trainer.lr=1e-6"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     out = cap.out
     assert "hf_not_a_real_token_123" not in out + cap.err
-    assert re.search(r"^sky launch -c forge-qwen3-1-7b \S+\.yaml --env FORGE_RECIPE=recipes/qwen3_1_7b "
-                     r"--env 'FORGE_ARGS=steps=5 trainer.lr=1e-6' --secret HF_TOKEN$", out, re.M), out
+    m = re.search(r"^sky launch -c forge-qwen3-1-7b (\S+\.yaml) --env FORGE_RECIPE=recipes/qwen3_1_7b "
+                  r"--env 'FORGE_ARGS=steps=5 trainer.lr=1e-6' --secret HF_TOKEN$", out, re.M)
+    assert m, out
+    # the printed command's task file is there after the dry run: the recipe's task plus the mount
+    assert m[1] == str(tmp_path / "runs" / "qwen3_1_7b" / "sky-forge-qwen3-1-7b.yaml")
+    derived = yaml.safe_load(Path(m[1]).read_text())
+    assert derived["file_mounts"]["/checkpoints"] == {"name": "my-ckpts", "mode": "MOUNT"}
+    assert "hf_not_a_real_token_123" not in Path(m[1]).read_text()
     assert "--secret WANDB_API_KEY" not in out  # only secrets that are set
     assert "HF_TOKEN: <redacted>" in out and "mode: MOUNT" in out and "name: my-ckpts" in out
     # The derived task (file + mount) is what SkyPilot parses: valid too.
