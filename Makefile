@@ -123,7 +123,7 @@ MANAGED ?=
 sky: venv-extras
 	$(PY) -m launch.sky launch $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME)) \
 	  $(if $(CKPT_BUCKET),--bucket $(CKPT_BUCKET)) $(if $(filter-out 0 false no,$(MANAGED)),--managed) \
-	  $(if $(filter-out 0 false no,$(DRY_RUN)),--dry-run) $(if $(ARGS),--args '$(ARGS)')
+	  $(if $(filter-out 0 false no,$(DRY_RUN)),--dry-run) $(ARGS)
 
 sky-dryrun:
 	@$(MAKE) --no-print-directory sky DRY_RUN=1

@@ -1,6 +1,6 @@
 """SkyPilot, client side: ``make sky`` and ``make sky-down`` (the task file checked here first).
 
-    python -m launch.sky launch RECIPE [options]  # make sky: sky launch -c forge-<recipe> ... (--dry-run)
+    python -m launch.sky launch RECIPE [options] [overrides ...]  # make sky: sky launch -c forge-<recipe> ...
     python -m launch.sky down RECIPE [--cluster]  # make sky-down: sky down <cluster>
 
 What the task runs on the cluster's nodes, its environment and how it finds its recipe:
@@ -198,15 +198,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     la.add_argument("--bucket", default=None, help="checkpoint bucket mounted at FORGE_CKPT_DIR (name or s3://, gs://)")
     la.add_argument("--managed", action="store_true", help="sky jobs launch (recovers from preemption)")
     la.add_argument("--dry-run", action="store_true", help="print the command and the parsed task; launch nothing")
-    la.add_argument("--args", default="", help="Hydra overrides for the run (FORGE_ARGS)")
     la.add_argument("--sky-args", default="", help="more sky launch options, one shell-quoted string")
+    la.add_argument("overrides", nargs="*", help="Hydra overrides for the run (FORGE_ARGS), e.g. steps=50")
     d = sub.add_parser("down", help="make sky-down: sky down the recipe's cluster")
     d.add_argument("recipe")
     d.add_argument("--cluster", default=None)
     d.add_argument("-y", "--yes", action="store_true")
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)  # overrides may come after the options, as in make sky
+    if extra and (a.cmd != "launch" or any(x.startswith("-") for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "launch":
-        return launch(a.recipe, a.cluster, a.bucket, a.managed, a.dry_run, a.args, shlex.split(a.sky_args))
+        forge_args = shlex.join(a.overrides + extra)  # FORGE_ARGS, split with shlex on the nodes
+        return launch(a.recipe, a.cluster, a.bucket, a.managed, a.dry_run, forge_args, shlex.split(a.sky_args))
     return down(a.recipe, a.cluster, a.yes)
 
 

@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -285,8 +286,7 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path)
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
     monkeypatch.setenv("WANDB_API_KEY", "")
     monkeypatch.setattr(ls, "ROOT", str(tmp_path))  # the derived task file goes to ROOT/runs/<recipe>/
-    rc = ls.main(["launch", "qwen3_1_7b", "--dry-run", "--bucket", "my-ckpts",
-                  "--args", "steps=5 trainer.lr=1e-6"])
+    rc = ls.main(["launch", "qwen3_1_7b", "--dry-run", "--bucket", "my-ckpts", "steps=5", "trainer.lr=1e-6"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     out = cap.out
@@ -309,11 +309,17 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path)
     bad.write_text("resources:\n  accelerators: [H100:8\n")
     with pytest.raises(ls.SkyError, match=re.escape(str(bad)) + ": not valid YAML .*line 3"):
         ls.task_config(str(bad), "recipes/qwen3_1_7b")
-    # make sky passes the same options.
+    # make sky passes the same options, and ARGS as make run does: FORGE_ARGS splits (shlex, on the
+    # nodes) into the overrides make run would get.
     m = subprocess.run(["make", "-n", "sky", "RECIPE=qwen3_1_7b", "DRY_RUN=1", "CKPT_BUCKET=my-ckpts",
-                        "MANAGED=1", "ARGS=steps=5"], cwd=ROOT, capture_output=True, text=True)
+                        "MANAGED=1", "ARGS=steps=5 run_id='a b'"], cwd=ROOT, capture_output=True, text=True)
     line = " ".join(m.stdout.replace("\\\n", " ").split())
-    assert "-m launch.sky launch qwen3_1_7b --bucket my-ckpts --managed --dry-run --args 'steps=5'" in line
+    assert "-m launch.sky launch qwen3_1_7b --bucket my-ckpts --managed --dry-run steps=5 run_id='a b'" in line
+    got = []
+    monkeypatch.setattr(ls, "launch", lambda *a: got.append(a) or 0)
+    assert ls.main(shlex.split(line.split("-m launch.sky ", 1)[1])) == 0
+    a = got[0]  # recipe, cluster, bucket, managed, dry_run, forge_args, sky args
+    assert a[:5] == ("qwen3_1_7b", None, "my-ckpts", True, True) and shlex.split(a[5]) == ["steps=5", "run_id=a b"]
 
 
 def test_setup_check_versions_gpus_and_recipe(capsys):
@@ -351,7 +357,7 @@ def test_task_that_does_not_ask_for_the_layout_is_refused(monkeypatch, tmp_path,
     monkeypatch.delenv("HF_TOKEN", raising=False)
     # an override that changes the layout: the task file (H100:3 / H200:3) no longer matches it
     args = "layout.gpus_per_node=4 layout.reference.gpus=2"
-    assert ls.main(["launch", "qwen3_1_7b", "--dry-run", "--args", args]) == 2
+    assert ls.main(["launch", "qwen3_1_7b", "--dry-run", *args.split()]) == 2
     err = capsys.readouterr().err
     assert "recipes/qwen3_1_7b/sky.yaml does not ask for the recipe's layout: resources ask for 3 accelerator(s) " \
            "per node, layout.gpus_per_node is 4; the overrides" in err and "task file must match" in err, err
