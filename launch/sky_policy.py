@@ -16,7 +16,7 @@ projects', the Python API, ``make sky``'s derived files) pass through unchanged;
 then falls back to the layout match in :func:`launch.sky_node.resolve_recipe`.
 
 Imports only the standard library and SkyPilot at module level, so any Python that has SkyPilot
-and this repository on its path (``make venv``; or ``pip install --no-deps -e .``) can load it.
+and this repository on its path (``make venv-extras``; or ``pip install --no-deps -e .``) can load it.
 """
 
 from __future__ import annotations
