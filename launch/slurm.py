@@ -286,7 +286,7 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     Raises:
         ConfigError: bad recipe or override (names the key).
         SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES, a gated
-            model without HF_TOKEN (as ``make check`` and ``make sky``: before SLURM allocates anything).
+            model without HF_TOKEN (as ``make run`` and ``make sky``: before SLURM allocates anything).
     """
     from forge_core.config import load_config, recipe_dir
     from forge_core.models import gated_without_token
