@@ -311,7 +311,8 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path)
         ls.task_config(str(bad), "recipes/qwen3_1_7b")
     # make sky passes the same options, and ARGS as make run does: FORGE_ARGS splits (shlex, on the
     # nodes) into the overrides make run would get.
-    m = subprocess.run(["make", "-n", "sky", "RECIPE=qwen3_1_7b", "DRY_RUN=1", "CKPT_BUCKET=my-ckpts",
+    m = subprocess.run(["make", "--no-print-directory", "-n", "sky", "RECIPE=qwen3_1_7b", "DRY_RUN=1",  # under make
+                        "CKPT_BUCKET=my-ckpts",  # (CI's make test) a nested make would print 'make[1]: Leaving ...'
                         "MANAGED=1", "ARGS=steps=5 run_id='a b'"], cwd=ROOT, capture_output=True, text=True)
     line = " ".join(m.stdout.replace("\\\n", " ").split())
     assert "-m launch.sky launch qwen3_1_7b --bucket my-ckpts --managed --dry-run steps=5 run_id='a b'" in line
