@@ -52,8 +52,8 @@ def test_collate_layout():
 
 def test_reward_and_buffer_processes_import_no_torch():
     """The reward and replay-buffer actors (and the Placement actor beside every service) hold plain
-    lists: their processes import their modules alone, and loading torch there cost each 1.5-2.6 s
-    of a 2-core host's start-up."""
+    lists: their processes import their modules alone; loading torch there cost each 2.3-2.9 s of CPU
+    (AMD EPYC, 2 cores) at start-up."""
     import subprocess
     import sys
 
