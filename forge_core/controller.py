@@ -266,8 +266,8 @@ class Controller:
                 self.generation += 1
                 await self._sync_locked()
             elif name == "reference":
-                digest = await call(name, self.svc.reference.rebuild_initial,
-                                    timeout_s=self.cfg.fault.call_timeout_s)
+                digest = await call(name, self.svc.reference.rebuild_initial,  # waits for its start-up too
+                                    timeout_s=self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s)
                 if digest != self.ref_digest:
                     raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from "
                                       f"version 0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random "
