@@ -272,9 +272,9 @@ def _check(cfg: DictConfig, where: str) -> None:
         validate_loss(cfg.loss)
     except ValueError as e:
         raise ConfigError(f"{where}: loss={cfg.loss.name}: {e}") from None
-    if cfg.reward.fn and not _importable(cfg.reward.fn.partition(":")[0]):
-        raise ConfigError(f"{where}: reward.fn={cfg.reward.fn!r}: no module {cfg.reward.fn.partition(':')[0]!r} "
-                          f"to import (expected 'package.module:function')")
+    if cfg.reward.fn and not _importable(mod := cfg.reward.fn.partition(":")[0]):
+        raise ConfigError(f"{where}: reward.fn={cfg.reward.fn!r}: no module {mod!r} to import "
+                          f"(expected 'package.module:function')")
     seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "

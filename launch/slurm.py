@@ -255,10 +255,15 @@ def load_secrets(job_id: str, env: Optional[MutableMapping[str, str]] = None) ->
     return sorted(values)
 
 
+def _secret_values() -> dict[str, str]:
+    """``{name: value}`` of the secrets set here whose value is long enough (6+ characters) to look for."""
+    return {k: v for k in SECRETS if len(v := os.environ.get(k, "")) >= 6}
+
+
 def assert_no_secrets(what: str, text: str) -> None:
     """Raise SlurmError if ``text`` contains the value (6 characters or more) of a secret variable."""
-    for name in SECRETS:
-        if len(value := os.environ.get(name, "")) >= 6 and value in text:
+    for name, value in _secret_values().items():
+        if value in text:
             raise SlurmError(f"the value of ${name} would be written into {what}; pass secrets only through "
                              f"the environment (they reach the job through its secrets file), never in "
                              f"overrides or setup lines")
@@ -345,7 +350,7 @@ def sbatch_env(secrets: bool) -> dict[str, str]:
     """The environment of the sbatch call: this one less the secrets, any variable holding a secret's
     value (make's ``MAKEFLAGS`` after ``make slurm HF_TOKEN=...``) and the names that are not valid
     identifiers, plus ``$FORGE_SLURM_SECRETS`` when ``secrets``. Its names are sbatch's ``--export`` list."""
-    held = [v for k in SECRETS if len(v := os.environ.get(k, "")) >= 6]
+    held = _secret_values().values()
     env = {k: v for k, v in os.environ.items()
            if k not in (*SECRETS, SECRETS_ENV) and _NAME.fullmatch(k) and not any(h in v for h in held)}
     return {**env, SECRETS_ENV: str(secrets_file("").parent)} if secrets else env
