@@ -83,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["run", "eval", "check"])
     p.add_argument("recipe", help="recipe name under recipes/ or a path to a recipe folder")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.lr=1e-6 steps=5 loss=dapo")
+    p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. trainer.lr=1e-6 steps=5 loss=dapo")
     p.add_argument("--ckpt", default=None, help="eval: an HF checkpoint directory (default: the base model)")
     a = p.parse_intermixed_args(argv)  # --ckpt before or after the overrides
 

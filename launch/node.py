@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
     p.add_argument("--attach-timeout", type=float, default=float(os.environ.get("FORGE_ATTACH_TIMEOUT", 300)))
     p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", default=[])
     a = p.parse_args(argv)
 
     from forge_core.config import ConfigError

@@ -199,7 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     la.add_argument("--managed", action="store_true", help="sky jobs launch (recovers from preemption)")
     la.add_argument("--dry-run", action="store_true", help="print the command and the parsed task; launch nothing")
     la.add_argument("--sky-args", default="", help="more sky launch options, one shell-quoted string")
-    la.add_argument("overrides", nargs="*", help="Hydra overrides for the run (FORGE_ARGS), e.g. steps=50")
+    la.add_argument("overrides", nargs="*", default=[], help="Hydra overrides for the run (FORGE_ARGS), e.g. steps=50")
     d = sub.add_parser("down", help="make sky-down: sky down the recipe's cluster")
     d.add_argument("recipe")
     d.add_argument("--cluster", default=None)

@@ -265,7 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.sky_node", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="the task's run: section (every node)")
-    r.add_argument("overrides", nargs="*", help="Hydra overrides (after FORGE_ARGS)")
+    r.add_argument("overrides", nargs="*", default=[], help="Hydra overrides (after FORGE_ARGS)")
     c = sub.add_parser("check", help="end of setup: versions, GPUs, recipe")
     c.add_argument("--gpu", action="store_true", help="expect the GPU extra (vLLM, torch 2.11)")
     a = p.parse_args(argv)

@@ -492,7 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--nodes", type=int, default=None, help="override the recipe's layout.nodes")
     s.add_argument("--dry-run", action="store_true", help="print the resolved config and the sbatch script")
     s.add_argument("recipe")
-    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. steps=5 layout.generator.host=1")
+    s.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. steps=5 layout.generator.host=1")
     for cmd, what in (("logs", "print (and follow) the logs of a job"), ("cancel", "scancel a job"),
                       ("status", "print a job's SLURM state")):
         sub.add_parser(cmd, help=f"{what} (default: the last one)").add_argument("job_id", nargs="?")

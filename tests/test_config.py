@@ -110,6 +110,14 @@ def _cli(*args, env=None):
                           text=True, timeout=120)
 
 
+def test_a_missing_recipe_is_the_only_required_argument():
+    """Overrides are optional: a command without a recipe asks for the recipe alone (every launcher)."""
+    for mod, cmd in (("launch.local", "run"), ("launch.slurm", "submit"), ("launch.sky", "launch")):
+        r = subprocess.run([sys.executable, "-m", mod, cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.rstrip().endswith("the following arguments are required: recipe"), \
+            (mod, r.stderr)
+
+
 def test_gpu_recipe_fails_fast_on_cpu():
     r = _cli("run", "qwen3_1_7b")
     assert r.returncode == 2
