@@ -135,6 +135,7 @@ class DocumentCausalSDPA(torch.nn.Module):
     q ``[b, H, T, hd]``, k/v ``[b, H_kv, T, hd]`` -> ``[b, T, H, hd]``. Plain tensors only (not TP's DTensors)."""
 
     def forward(self, q, k, v, meta, scale: Optional[float] = None) -> torch.Tensor:
+        """Attention of ``q``/``k``/``v`` within each document of ``meta`` (shapes: the class docstring)."""
         b, _, T, _ = q.shape
         doc = torch.searchsorted(meta.cu_seq_q[1:], torch.arange(b * T, device=q.device), right=True).view(b, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

@@ -74,9 +74,11 @@ class _Endpoint:
         self.ep, self.ranks = ep, ranks
 
     async def call_one(self, *args: Any) -> Any:
+        """Call every rank; rank 0's answer."""
         return (await self.call_all(*args))[0]
 
     async def call_all(self, *args: Any) -> list:
+        """Call every rank; the answers in rank order."""
         if self.ranks == 1:
             return [await self.ep.call_one(*args)]
         return [v for _, v in sorted((await self.ep.call(*args)).items(), key=lambda pv: pv[0].rank)]

@@ -223,6 +223,7 @@ class Trainer(Actor):
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> dict:
+        """One optimizer step on ``episodes`` with this host's share of the cores (:meth:`_train_step`)."""
         with self.cores:
             return self._train_step(episodes)
 
