@@ -70,7 +70,11 @@ class Profile:
         cpus_per_task: ``--cpus-per-task`` (one task per node, so: CPUs per node).
         mem_gb: ``--mem`` per node in GB (default: the partition's default).
         time_min, exclusive: ``--time`` in minutes; ``--exclusive`` (whole nodes).
-        setup: shell lines run by the batch script before ``srun`` (module load, source a venv, ...).
+        setup: shell lines run by the batch script before ``srun`` (module load, exports, ...).
+        python: the interpreter every node runs: a GPU environment (the project with its ``gpu``
+            extra) on a filesystem the nodes share; ``~`` and a path relative to the repository are
+            resolved here, a bare name (``python3``) on the nodes after ``setup``. Default: the
+            interpreter of ``make slurm`` (``.venv``, without vLLM: fine for CPU recipes only).
         signal_delay_s: USR2 this many seconds before the time limit, to requeue in time.
         max_requeues_on_timeout: requeues after hitting the time limit (preemptions do not count).
         attach_timeout_s: seconds rank 0 waits for every node's Monarch worker (then fails, naming them).
@@ -88,6 +92,7 @@ class Profile:
     constraint: Optional[str] = None
     exclusive: bool = False
     setup: list = field(default_factory=list)
+    python: Optional[str] = None
     signal_delay_s: int = 90
     max_requeues_on_timeout: int = 3
     attach_timeout_s: float = 300.0
@@ -282,6 +287,7 @@ class JobSpec:
     task: NodeTask
     sbatch: dict  # ``#SBATCH`` options {name: value} (True: a flag), e.g. {"nodes": 2, "requeue": True}
     setup: list  # shell lines of the batch script before srun
+    python: str  # the interpreter every node runs (the profile's ``python``)
 
 
 def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
@@ -309,6 +315,8 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     cfg = load_config(recipe, overrides)
     run_root = os.path.abspath(cfg.output_dir)
     overrides.append(f"output_dir={run_root}")  # the job must not depend on its working directory
+    if cfg.run_id and not any(o.startswith("run_id=") for o in overrides):  # $FORGE_RUN_ID here: resume that run
+        overrides.append(f"run_id={cfg.run_id}")  # (the nodes' FORGE_RUN_ID is the job id)
     cfg = load_config(recipe, overrides)  # exactly what node 0 will compose (run_id: the job id)
     if gated := gated_without_token(cfg.model):
         raise SlurmError(gated)
@@ -325,8 +333,35 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     sbatch = {k: v for k, v in sbatch.items() if v is not None}
     setup = [f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
              f"export FORGE_MONARCH_PORT={prof.monarch_port}", *prof.setup]
+    python = prof.python or sys.executable
+    if os.sep in python or python.startswith("~"):  # else a name found on the nodes
+        python = str(ROOT / Path(python).expanduser())  # (an absolute path stays as it is)
     task = NodeTask(recipe_dir(recipe), overrides, prof.attach_timeout_s)
-    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, setup)
+    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, setup, python)
+
+
+def node_python_problem(spec: JobSpec) -> Optional[str]:
+    """Why the nodes' interpreter (``spec.python``) cannot run ``spec``'s recipe: it is not an
+    executable here (the nodes run it from the same path), or the recipe generates with vLLM and it
+    has no ``vllm``. None when it can, or when that cannot be told here (a bare name, ``python3``,
+    found on the nodes after ``setup``)."""
+    if not os.path.isabs(spec.python):
+        return None
+    if not (os.path.isfile(spec.python) and os.access(spec.python, os.X_OK)):
+        return (f"{spec.profile_path}: python={spec.profile.python!r}: {spec.python} is not an executable here "
+                f"(the nodes run it from the same path: a filesystem they share with this host)")
+    if spec.cfg.generator.backend != "vllm":
+        return None
+    try:
+        p = subprocess.run([spec.python, "-c", "import importlib.util as u; print(u.find_spec('vllm') is None)"],
+                           capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.stdout.strip() != "True":
+        return None
+    return (f"recipe {spec.cfg.recipe} generates with vLLM (generator.backend=vllm), but the nodes would run "
+            f"{spec.python}, which has no vllm: set python: in {spec.profile_path} to a GPU environment on the "
+            f"shared filesystem (the project with its gpu extra; README: SLURM)")
 
 
 def sbatch_script(spec: JobSpec) -> str:
@@ -336,12 +371,14 @@ def sbatch_script(spec: JobSpec) -> str:
     ``SlurmExecutor`` documents: ``#SBATCH`` options, the setup lines, then srun starting submitit's job
     runner (``python -m submitit.core._submit FOLDER``: loads the pickled task, handles USR2 with
     ``checkpoint`` + ``scontrol requeue``). srun gets ``--export=ALL``, else sbatch's ``--export`` list
-    (``SLURM_EXPORT_ENV``) would also drop what the setup lines export."""
+    (``SLURM_EXPORT_ENV``) would also drop what the setup lines export, and the profile's
+    ``--cpus-per-task`` again (srun of SLURM 22.05-23.02 does not inherit it from sbatch)."""
     opts = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}"
             for k, v in sorted(spec.sbatch.items())]
+    cpus = [f"--cpus-per-task={spec.profile.cpus_per_task}"] if spec.profile.cpus_per_task else []
     srun = shlex.join(["srun", "--unbuffered", "--output", f"{spec.folder}/%j_%t_log.out", "--error",
-                       f"{spec.folder}/%j_%t_log.err", "--kill-on-bad-exit=1", "--export=ALL"])
-    run = f"{srun} {shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(spec.folder)}"
+                       f"{spec.folder}/%j_%t_log.err", "--kill-on-bad-exit=1", "--export=ALL", *cpus])
+    run = f"{srun} {shlex.quote(spec.python)} -u -m submitit.core._submit {shlex.quote(spec.folder)}"
     return "\n".join(["#!/bin/bash", "", "# Parameters", *opts, "", "# setup", *spec.setup, "", "# command",
                       "export SUBMITIT_EXECUTOR=slurm", run, ""])
 
@@ -362,11 +399,14 @@ def submit(spec: JobSpec) -> dict:
     Returns the job record (also saved as the last job).
 
     Raises:
-        SlurmError: a secret's value would be written down, or sbatch is missing.
+        SlurmError: a secret's value would be written down, sbatch is missing, or the nodes'
+            interpreter is missing or lacks vLLM for a vLLM recipe (:func:`node_python_problem`).
         subprocess.CalledProcessError: sbatch failed (its message in ``stderr``).
     """
     from submitit.helpers import DelayedSubmission
 
+    if why := node_python_problem(spec):
+        raise SlurmError(why)
     script = sbatch_script(spec)
     assert_no_secrets("the sbatch script", script)
     assert_no_secrets("the job's pickled arguments", repr(spec.task))
@@ -450,15 +490,17 @@ def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, p
 
 def cancel(job_id: str) -> str:
     """``scancel`` the job if it is still queued or running and delete its secrets file; returns
-    what happened. Raises SlurmError with scancel's message when it fails."""
+    what happened. Raises SlurmError with scancel's message when it fails for a job SLURM still
+    knows (one it has forgotten, long ended, only loses its secrets file)."""
     state = show_job(job_id).get("JobState")
     if state is not None and state not in ACTIVE:
         done = f"job {job_id} already ended ({state}); nothing to cancel"
     else:
         p = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=30)
-        if p.returncode != 0:
+        if p.returncode != 0 and state is not None:
             raise SlurmError(f"scancel {job_id}: {p.stderr.strip()}")
-        done = f"cancelled job {job_id} (was {state or 'unknown'})"
+        done = (f"cancelled job {job_id} (was {state or 'unknown'})" if p.returncode == 0 else
+                f"job {job_id} is not known to SLURM (scancel: {p.stderr.strip()}); nothing to cancel")
     path = secrets_file(str(job_id))
     if path.exists():
         path.unlink()
@@ -479,6 +521,8 @@ def _print_dry_run(spec: JobSpec) -> None:
     print(f"# every task (one per node) runs, from submitit's pickle in {spec.folder}:")
     print(f"#   {spec.task!r}")
     print("# dry run: nothing submitted")
+    if why := node_python_problem(spec):
+        print(f"note: a submission would be refused: {why}", file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

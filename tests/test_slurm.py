@@ -5,6 +5,7 @@ The end-to-end tests on a real (local) SLURM cluster are in tests/test_slurm_clu
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import stat
@@ -141,11 +142,70 @@ def test_job_parameters_come_from_recipe_and_profile(monkeypatch, tmp_path):
     assert spec.sbatch["exclusive"] is True
     script = slurm.sbatch_script(spec)
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --qos=normal" in script
-    assert "source /path/to/forge-recipes/.venv/bin/activate" in script
+    assert "export HF_HOME=/shared/cache/huggingface" in script
     # NODES overrides layout.nodes; a CPU recipe asks for no GPUs
     spec = slurm.build_job("smollm2_135m", "dev", nodes=3, overrides=[*TINY, f"output_dir={tmp_path}"])
     assert spec.nodes == 3 and spec.cfg.layout.nodes == 3 and "gpus-per-node" not in spec.sbatch
     assert spec.task.overrides[-2:] == ["layout.nodes=3", f"output_dir={tmp_path}"]
+
+
+def test_nodes_run_the_profiles_python_with_the_profiles_cpus(monkeypatch, tmp_path):
+    """srun asks for the profile's CPUs again (srun of SLURM 22.05-23.02 does not inherit sbatch's) and
+    runs the profile's python; one that is not there, or has no vLLM for a vLLM recipe, is refused."""
+    monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
+    spec = slurm.build_job("smollm2_135m", "example", overrides=[*TINY, f"output_dir={tmp_path}"])
+    srun = next(line for line in slurm.sbatch_script(spec).splitlines() if line.startswith("srun "))
+    assert "--cpus-per-task=64" in srun and f"{Path.home()}/forge-venv/bin/python -u -m submitit" in srun
+    if not os.path.exists(Path.home() / "forge-venv/bin/python"):
+        with pytest.raises(slurm.SlurmError, match=r"example\.yaml: python='~/forge-venv/bin/python': .* not an exec"):
+            slurm.submit(spec)
+    # By default the nodes run this interpreter (.venv: no vLLM): a CPU recipe runs, a vLLM recipe is refused.
+    prof = _profile(tmp_path, "partition: gpu\n")
+    spec = slurm.build_job("smollm2_135m", prof, overrides=[*TINY, f"output_dir={tmp_path}"])
+    assert f" {sys.executable} -u -m submitit" in slurm.sbatch_script(spec) and slurm.node_python_problem(spec) is None
+    spec = slurm.build_job("qwen3_8b", prof, overrides=[f"output_dir={tmp_path}"])
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(slurm.SlurmError, match=r"qwen3_8b generates with vLLM .*has no vllm: set python: in .*prof"):
+            slurm.submit(spec)
+    # a path relative to the repository is resolved here; a bare name is found on the nodes, after setup:
+    spec = slurm.build_job("qwen3_8b", _profile(tmp_path, "python: python3\n"), overrides=[f"output_dir={tmp_path}"])
+    assert " python3 -u -m submitit" in slurm.sbatch_script(spec) and slurm.node_python_problem(spec) is None
+    spec = slurm.build_job("smollm2_135m", _profile(tmp_path, "python: .venv/bin/python\n"), overrides=[*TINY])
+    assert spec.python == str(ROOT / ".venv/bin/python") and slurm.node_python_problem(spec) is None
+
+
+def test_forge_run_id_at_submission_names_the_run_the_nodes_write(monkeypatch, tmp_path):
+    """The nodes set FORGE_RUN_ID to the job id; one set at submission (to resume that run) wins."""
+    from forge_core.config import load_config
+
+    monkeypatch.setenv("FORGE_RUN_ID", "myrun")
+    spec = slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, f"output_dir={tmp_path}"])
+    assert spec.task.overrides[-1] == "run_id=myrun"
+    monkeypatch.setenv("FORGE_RUN_ID", "4242")  # a node of job 4242
+    assert load_config(spec.task.recipe, spec.task.overrides).run_id == "myrun"
+    monkeypatch.delenv("FORGE_RUN_ID")
+    assert "run_id=" not in " ".join(slurm.build_job("smollm2_135m", "dev", overrides=TINY).task.overrides)
+
+
+def test_cancel_of_a_job_slurm_has_forgotten_still_removes_its_secrets_file(monkeypatch, tmp_path):
+    """SLURM forgets an ended job after MinJobAge: scontrol knows nothing and scancel fails; the
+    secrets file, which make slurm-cancel JOB=<id> is documented to remove, goes all the same."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1\n")
+    (bin_dir / "scancel").write_text("#!/bin/sh\necho 'scancel: error: Invalid job id specified' >&2; exit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    f = slurm.secrets_file("4242")
+    f.parent.mkdir(parents=True)
+    f.write_text("{}")
+    done = slurm.cancel("4242")
+    assert "not known to SLURM" in done and done.endswith(f"removed its secrets file {f}") and not f.exists()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho JobId=4242 JobState=RUNNING\n")  # a known job: scancel's
+    with pytest.raises(slurm.SlurmError, match="scancel 4242: scancel: error"):  # failure is an error
+        slurm.cancel("4242")
 
 
 def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
