@@ -121,7 +121,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
 
     Checks first, before any cloud call, that the config (with ``forge_args``) composes, a gated
     model has HF_TOKEN, SkyPilot parses the task file and the task asks for the recipe's layout
-    (:func:`layout_mismatch`). Secrets set here go as ``--secret NAME`` (value from this environment).
+    (:func:`layout_mismatch`). Secrets set here go as ``--secret NAME`` (value from this environment;
+    the legacy ``HUGGING_FACE_HUB_TOKEN`` goes as ``HF_TOKEN``, the name the task files declare).
     ``bucket``: a derived task file, ``runs/<recipe>/sky-<cluster>.yaml`` (kept), adds the checkpoint
     mount (``FORGE_CKPT_DIR``, mode MOUNT).
     ``dry_run``: print the command and the parsed task (secrets redacted), launch nothing.
@@ -140,6 +141,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
             raise SkyError(gated)
         tcfg = task_config(yaml_path, rel, bucket, forge_args)
         secrets = {k: env[k] for k in SECRETS if env.get(k)}
+        if legacy := secrets.pop("HUGGING_FACE_HUB_TOKEN", None):  # the task files name HF_TOKEN only
+            secrets.setdefault("HF_TOKEN", legacy)
         task = parse_task(tcfg, secrets)
         if mismatch := layout_mismatch(task, cfg, yaml_path, forge_args):
             raise SkyError(mismatch)
@@ -164,7 +167,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     shown = shlex.join(["sky"] + cmd[1:])
     if not dry_run:
         print(f"+ {shown}", flush=True)
-        return subprocess.call(cmd, cwd=ROOT)  # workdir '.' is the repository root
+        # workdir '.' is the repository root; `--secret NAME` takes the value from sky's environment
+        return subprocess.call(cmd, cwd=ROOT, env={**os.environ, **secrets})
     print(f"# recipe {rel}: {cfg.layout.nodes} node(s) x {cfg.layout.gpus_per_node} GPU(s), "
           f"model {cfg.model.name}; secrets passed: {', '.join(secrets) or 'none'}")
     print(f"# command (run from {ROOT}):\n{shown}")

@@ -301,6 +301,15 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path)
     assert "hf_not_a_real_token_123" not in Path(m[1]).read_text()
     assert "--secret WANDB_API_KEY" not in out  # only secrets that are set
     assert "HF_TOKEN: <redacted>" in out and "mode: MOUNT" in out and "name: my-ckpts" in out
+    # The legacy token name alone (the gated check takes it) goes as the HF_TOKEN the task files declare:
+    # SkyPilot resolves llama3_8b's required HF_TOKEN from it, and sky gets the value in its environment.
+    calls = []
+    monkeypatch.setattr(ls.subprocess, "call", lambda cmd, **kw: calls.append((cmd, kw["env"])) or 0)
+    legacy = {"PATH": os.environ["PATH"], "HUGGING_FACE_HUB_TOKEN": "hf_legacy_token_456"}
+    assert ls.launch("llama3_8b", env=legacy) == 0, capsys.readouterr().err
+    cmd, sky_env = calls[0]
+    assert cmd[-2:] == ["--secret", "HF_TOKEN"] and sky_env["HF_TOKEN"] == "hf_legacy_token_456"
+    assert "hf_legacy_token_456" not in " ".join(cmd) + capsys.readouterr().out
     # The derived task (file + mount) is what SkyPilot parses: valid too.
     cfg = ls.task_config(str(recipe_file("qwen3_1_7b")), "recipes/qwen3_1_7b", "my-ckpts")
     t = ls.parse_task(cfg, {})
