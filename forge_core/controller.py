@@ -157,7 +157,7 @@ class Controller:
         self.paused = False  # set while a checkpoint is written
         self.loading = False  # set while the replicas load a new version (rollouts wait: see rollout_loop)
         self.sync_task: Optional[asyncio.Task] = None
-        self.rollout_error: Optional[Exception] = None
+        self.background_error: Optional[Exception] = None  # a failed rollout or weight sync: the training loop raises it
         self.last_sync: dict = {}
         self.svc: Optional[Services] = None
         self.sync_lock = asyncio.Lock()  # publish + loads of one version; respawns that reload weights
@@ -185,7 +185,7 @@ class Controller:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             await call("trainer", self.svc.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
-            held = await call("replay_buffer", self.svc.buffer.state)
+            held = await call("replay_buffer", self.svc.buffer.state, timeout_s=self._deadline(0))
             torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
             with open(os.path.join(tmp, "controller.json"), "w") as f:
                 json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
@@ -220,7 +220,7 @@ class Controller:
         self.restarts.update(st.get("restarts", {}))
         self.source.load_state_dict(st["source"])
         held = torch.load(os.path.join(path, "buffer.pt"), weights_only=False)["episodes"]
-        await call("replay_buffer", self.svc.buffer.restore, held)
+        await call("replay_buffer", self.svc.buffer.restore, held, timeout_s=self._deadline(0))
         self.buffered = len(held)
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
@@ -321,7 +321,7 @@ class Controller:
     async def rollout_loop(self) -> None:
         """Produce rollout batches until cancelled (see the module docstring), finishing one at a time
         in a task, in order, so the buffer sees the same batches in the same order. A failure is handed
-        to the training loop (``rollout_error``), which raises it."""
+        to the training loop (``background_error``), which raises it."""
         finishing: Optional[asyncio.Task] = None
         try:
             try:
@@ -347,12 +347,12 @@ class Controller:
                 if finishing is not None and not finishing.done():
                     finishing.cancel()
         except Exception as e:
-            await self._set(rollout_error=e)
+            await self._set(background_error=e)
             raise
 
     async def _finish(self, episodes: list[Episode], gen: dict) -> None:
         """Reward, reference logprobs and group advantages of one generated batch, then into the
-        replay buffer. A failure becomes ``rollout_error`` (the training loop raises it)."""
+        replay buffer. A failure becomes ``background_error`` (the training loop raises it)."""
         cfg, s = self.cfg, self.svc
         try:
             t0 = time.perf_counter()
@@ -372,20 +372,26 @@ class Controller:
                 e.advantage = a
             if cfg.advantage.drop_zero_variance:
                 episodes = [e for e in episodes if bool(keep[e.group])]
-            size = await call("replay_buffer", s.buffer.add, episodes)
+            size = await call("replay_buffer", s.buffer.add, episodes, timeout_s=self._deadline(0))
             self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=max(secs for _, secs in ranks), **adv_m))
             await self._set(buffered=size)
         except Exception as e:
-            await self._set(rollout_error=e)
+            await self._set(background_error=e)
             raise
         finally:
             await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
 
     # ---- weight sync -------------------------------------------------------------------------
     async def publish_and_sync(self) -> None:
-        """Publish the trainer's current weights and bring every replica to them (under the sync lock)."""
-        async with self.sync_lock:
-            await self._sync_locked()
+        """Publish the trainer's current weights and bring every replica to them (under the sync lock).
+        A failure also becomes ``background_error``: the training loop may be waiting for a batch that
+        only the new version can generate (``max_staleness=0``)."""
+        try:
+            async with self.sync_lock:
+                await self._sync_locked()
+        except Exception as e:
+            await self._set(background_error=e)
+            raise
 
     async def _sync_locked(self) -> None:
         """Publish (starting the nccl broadcast when a route needs it), fetch and load one version (see
@@ -447,22 +453,28 @@ class Controller:
 
     async def _next_batch(self) -> list[Episode]:
         while True:
-            batch = await call("replay_buffer", self.svc.buffer.sample, self.B, self.step)
-            size = await call("replay_buffer", self.svc.buffer.num_episodes)
+            batch = await call("replay_buffer", self.svc.buffer.sample, self.B, self.step, timeout_s=self._deadline(0))
+            size = await call("replay_buffer", self.svc.buffer.num_episodes, timeout_s=self._deadline(0))
             async with self.changed:
                 self.buffered = size
                 self.changed.notify_all()
                 if batch is not None:
                     return batch
-                await self.changed.wait_for(lambda: self.buffered >= self.B or self.rollout_error is not None)
-            if self.rollout_error is not None:
-                raise self.rollout_error
+                await self.changed.wait_for(lambda: self.buffered >= self.B or self.background_error is not None)
+            if self.background_error is not None:
+                raise self.background_error
 
     # ---- the run -----------------------------------------------------------------------------
     async def run(self) -> dict:
         """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
-        actor call fails (the message names the actor); checkpoints and metrics written so far stay intact."""
+        actor call fails (the message names the actor); checkpoints and metrics written so far stay intact.
+        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``."""
         cfg = self.cfg
+        if not cfg.resume and (os.path.exists(os.path.join(self.out_dir, "metrics.jsonl"))
+                               or checkpoint.complete(self.ckpt_root)):
+            raise RunFailed(f"{self.out_dir} holds an earlier run (metrics.jsonl, checkpoints/): resume=false would "
+                            f"overwrite its metrics and mix its checkpoints with this run's; set another run_id, or "
+                            f"resume=true to go on from its last checkpoint")
         os.makedirs(self.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
         self.source = PromptSource(load_gsm8k(cfg.data.split, cfg.data.dir, cfg.data.hub_id), cfg.data.seed)

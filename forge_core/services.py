@@ -52,12 +52,13 @@ async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[f
     """``await endpoint.call_one(*args)``, turning any failure (and a missed ``timeout_s`` deadline,
     in seconds) into :class:`ActorFailed` naming the actor (and, for a deadline, the seconds waited).
     A cancellation (Ctrl-C) always propagates (Python 3.11's ``asyncio.wait_for`` could swallow it)."""
+    deadline = asyncio.timeout(timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with deadline:
             return await endpoint.call_one(*args)
-    except TimeoutError:
-        raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
     except Exception as e:
+        if isinstance(e, TimeoutError) and deadline.expired():  # not a TimeoutError the actor raised
+            raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
         raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {str(e)[:2000]}") from e
 
 

@@ -88,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_intermixed_args(argv)  # --ckpt before or after the overrides
 
     from forge_core.config import ConfigError, load_config
-    from forge_core.controller import ActorFailed, Controller
+    from forge_core.controller import Controller, RunFailed
     from forge_core.data import DataError
     from forge_core.models import ModelSourceError
 
@@ -133,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (DataError, ModelSourceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ActorFailed as e:
+    except RunFailed as e:  # an actor that failed beyond recovery (ActorFailed), diverged training, ...
         print(f"error: {e}\ncheckpoints and metrics written so far are intact", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -313,7 +313,7 @@ def test_replicas_dispatch_through_controller(tmp_path):
 def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
     """The rollout loop with timed stand-ins for the actors (S=1, one replica at version 0): batch
     0's reference forward runs while batch 1 generates, batches reach the buffer in order, and a
-    failure of the finishing step reaches the training loop as ``rollout_error``."""
+    failure of the finishing step reaches the training loop as ``background_error``."""
     from forge_core.controller import Controller
     from forge_core.episode import Episode
 
@@ -356,7 +356,7 @@ def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
         task = asyncio.create_task(c.rollout_loop())
         try:
             async with c.changed:
-                await asyncio.wait_for(c.changed.wait_for(lambda: c.buffered >= 2 * c.B or c.rollout_error), 10)
+                await asyncio.wait_for(c.changed.wait_for(lambda: c.buffered >= 2 * c.B or c.background_error), 10)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -372,7 +372,7 @@ def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
     c = Timed(cfg, str(tmp_path), progress=False)
     c.fail_reference = True
     asyncio.run(go(c))
-    assert isinstance(c.rollout_error, RuntimeError) and "reference stand-in failed" in str(c.rollout_error)
+    assert isinstance(c.background_error, RuntimeError) and "reference stand-in failed" in str(c.background_error)
 
 
 def _run(args: list, run_id: str, out, timeout: int = 600, env_extra: dict | None = None) -> tuple[int, str]:

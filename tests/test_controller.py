@@ -1,0 +1,148 @@
+"""The real Controller's loops around stand-in services (no actor processes): what ends a run, and
+when, if a weight sync fails, the replay buffer hangs, or the run directory holds an earlier run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from forge_core.config import load_config
+from forge_core.controller import Controller, Dispatcher
+from forge_core.actors.replay_buffer import ReplayBuffer
+from forge_core.data import PromptSource, load_gsm8k
+from forge_core.episode import Episode
+from forge_core.services import ActorFailed, RunFailed, call
+
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2", "fault.call_timeout_s=1",
+        "fault.timeout_per_token_s=0", "fault.max_restarts=0"]
+
+
+class _Ep:
+    """An endpoint of a stand-in service: ``call_one``/``call_all`` await ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def call_one(self, *args):
+        return await self.fn(*args)
+
+    async def call_all(self, *args):
+        return [await self.fn(*args)]
+
+
+def _controller(tmp_path, overrides, *, load=None, sample=None) -> Controller:
+    """A Controller whose services are coroutines in this process: a generator whose episodes get
+    rewards 0, 1, 0, 1, ... (every group has signal), a trainer that only counts versions, the real
+    ReplayBuffer. ``load(version)`` runs before each replica load; ``sample`` replaces the buffer's."""
+    cfg = load_config("smollm2_135m", TINY + overrides)
+    ctl = Controller(cfg, str(tmp_path), progress=False)
+    buf, version = ReplayBuffer(cfg.buffer_capacity, cfg.max_staleness), [0]
+
+    async def generate(problems, seed):
+        eps = [Episode(prompt_id=p.id, group=0, target=p.answer, prompt_ids=[1], response_ids=[2], policy_version=0,
+                       behaviour_logprobs=[-1.0], text="") for p in problems for _ in range(cfg.generator.group_size)]
+        return eps, {"gen_s": 0.01, "gen_tokens": len(eps), "gen_tok_s": 100.0}
+
+    async def update_weights(handle, staged=False):
+        if load:
+            await load(handle.version)
+        return {"version": handle.version, "sync_s": 0.0, "mode": "ipc"}
+
+    async def score(eps):
+        for i, e in enumerate(eps):
+            e.reward = float(i % 2)
+        return eps
+
+    async def train_step(eps):
+        version[0] += 1
+        return {"skipped": 0.0, "version": version[0], "loss": 0.0, "clip_frac": 0.0, "grad_norm": 1.0, "train_s": 0.0}
+
+    async def add(eps):
+        buf.add(eps)
+        return len(buf)
+
+    async def publish(*_):
+        return SimpleNamespace(version=version[0], nbytes=1)
+
+    async def nothing(*_):
+        return None
+
+    svc = lambda name, **eps: SimpleNamespace(name=name, **{k: _Ep(f) for k, f in eps.items()})  # noqa: E731
+    gen = svc("generator", generate=generate, update_weights=update_weights)
+    parts = dict(generators=[gen], reward=svc("reward", score=score),
+                 reference=svc("reference", logprobs=lambda eps: asyncio.sleep(0, ([[0.0]] * len(eps), 0.0))),
+                 trainer=svc("trainer", train_step=train_step, publish=publish, save=nothing),
+                 buffer=svc("replay_buffer", add=add, sample=sample or (lambda n, s: asyncio.sleep(0, buf.sample(n, s))),
+                            num_episodes=lambda: asyncio.sleep(0, len(buf))))
+    ctl.svc = SimpleNamespace(**parts, generator=gen, all=lambda: [gen, *list(parts.values())[1:]],
+                              respawn=nothing, write_placement=lambda path: None, dtypes={"generator": "float32"})
+    ctl.source = PromptSource(load_gsm8k("train", os.environ["GSM8K_DIR"]), 0)
+
+    async def start():
+        ctl.routes, ctl.versions, ctl.dispatcher = [("ipc", 0)], [0], Dispatcher(1)
+        await ctl.publish_and_sync()
+
+    ctl.start = start
+    return ctl
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_weight_sync_that_fails_for_good_ends_the_run(tmp_path, staleness):
+    """The load of version 1 fails and no restart is left (fault.max_restarts=0). With max_staleness=0
+    the training loop then waits for a batch only version 1 may generate: the failure must end the run
+    (it used to wait forever); with 1 it ends the run too."""
+    async def load(version):
+        if version == 1:
+            raise RuntimeError("load failed")
+
+    ctl = _controller(tmp_path, ["steps=4", f"max_staleness={staleness}"], load=load)
+    with pytest.raises(ActorFailed, match=r"actor 'generator' failed 1 times .*load failed"):
+        asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    assert ctl.step <= 2
+
+
+def test_a_hung_replay_buffer_misses_its_deadline(tmp_path):
+    async def sample(n, step):
+        await asyncio.sleep(3600)
+
+    ctl = _controller(tmp_path, ["steps=2"], sample=sample)
+    with pytest.raises(ActorFailed, match=r"actor 'replay_buffer' did not answer within 1 s"):
+        asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+
+
+def test_resume_false_refuses_a_run_directory_that_holds_an_earlier_run(tmp_path, monkeypatch):
+    """Its metrics would be overwritten and its checkpoints mixed with (and rotated against) the new
+    run's: refused before any actor starts, and the earlier run's files stay as they were."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    ctl = _controller(tmp_path, ["resume=false"])
+    with pytest.raises(RunFailed, match=r"holds an earlier run .*set another run_id, or resume=true"):
+        asyncio.run(ctl.run())
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (tmp_path / "config.yaml").exists()
+
+
+def test_call_tells_a_missed_deadline_from_an_actor_that_raised_timeout_error():
+    async def raises():
+        raise TimeoutError("the actor's own")
+
+    for timeout_s in (None, 30):
+        with pytest.raises(ActorFailed, match=r"actor 'x' failed: TimeoutError: the actor's own"):
+            asyncio.run(call("x", _Ep(raises), timeout_s=timeout_s))
+    with pytest.raises(ActorFailed, match=r"actor 'x' did not answer within 0 s"):
+        asyncio.run(call("x", _Ep(lambda: asyncio.sleep(5)), timeout_s=0.1))
+
+
+def test_the_cli_reports_a_run_that_cannot_go_on_without_a_traceback(tmp_path):
+    """launch.local prints every RunFailed (not only ActorFailed) as an error line, exit code 1."""
+    import subprocess
+    import sys
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1}\n')
+    p = subprocess.run([sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={tmp_path}",
+                        "run_id=r", "resume=false"], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: " in p.stderr and "holds an earlier run" in p.stderr and "written so far are intact" in p.stderr
