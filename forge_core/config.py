@@ -151,7 +151,8 @@ class WeightSyncConfig:
 
 @dataclass
 class CheckpointConfig:
-    """``every``: steps between checkpoints (0 = only the final one); ``keep``: how many to keep."""
+    """``every``: steps between checkpoints, and one at the last step (0: none; ``final/`` still holds
+    the policy, without optimizer state, so a requeued or resumed run starts over); ``keep``: how many to keep."""
 
     every: int = 0
     keep: int = 2
@@ -282,6 +283,9 @@ def _check(cfg: DictConfig, where: str) -> None:
     if cfg.trainer.mps_client_priority not in (0, 1):
         raise ConfigError(f"{where}: trainer.mps_client_priority={cfg.trainer.mps_client_priority} must be 0 (normal) "
                           "or 1 (below normal)")
+    if cfg.buffer_capacity < (B := cfg.prompts_per_step * cfg.generator.group_size):
+        raise ConfigError(f"{where}: buffer_capacity={cfg.buffer_capacity} is smaller than one training batch "
+                          f"(prompts_per_step x generator.group_size = {B} episodes): no step could be sampled")
     if cfg.generator.group_size < 2 and cfg.advantage.estimator != "mean":
         raise ConfigError(f"{where}: generator.group_size must be >= 2 for group-normalised advantages")
     if (cfg.device == "cuda") != (cfg.generator.backend == "vllm"):

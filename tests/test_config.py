@@ -53,12 +53,15 @@ def test_bad_override_names_the_key(override, key):
     ("advantage.estimator=foo", "advantage.estimator='foo' must be one of"), ("advantage.eps=-1", "advantage.eps must"),
     ("trainer.max_grad_norm=-1", "trainer.max_grad_norm must be > 0"), ("trainer.tp=0", "trainer.tp must be > 0"),
     ("trainer.betas=[2,3]", "trainer.betas=[2.0, 3.0] must be two numbers in [0, 1)"), ("trainer.betas=[0.9]", "betas"),
-    ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'")])
+    ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'"),
+    ("buffer_capacity=15", "buffer_capacity=15 is smaller than one training batch (prompts_per_step x "
+                           "generator.group_size = 16 episodes)")])
 def test_out_of_range_value_names_the_key(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         load_config("smollm2_135m", override.split())
     load_config("smollm2_135m", ["checkpoint.every=0", "fault.max_restarts=0", "generator.top_p=1.0", "trainer.lr=0",
-                                 "reward.fn=forge_core.rewards:gsm8k_reward", "trainer.betas=[0,0.95]"])
+                                 "reward.fn=forge_core.rewards:gsm8k_reward", "trainer.betas=[0,0.95]",
+                                 "buffer_capacity=16"])
 
 
 @pytest.mark.parametrize("override,says", [
