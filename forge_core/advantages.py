@@ -20,14 +20,18 @@ class AdvantageConfig:
         estimator: ``"zscore"`` (GRPO), ``"mean"`` (Dr. GRPO: no std normalisation) or ``"rloo"``
             (leave-one-out baseline); :func:`group_advantages` gives each formula and its paper.
         eps: added to the group std by ``zscore``.
-        drop_zero_variance: DAPO's dynamic-sampling filter (arXiv:2503.14476 eq. 11): drop
-            groups whose rewards are all equal (they carry no signal), see
-            :func:`compute_advantages`.
+        drop_zero_variance: DAPO's dynamic sampling (arXiv:2503.14476 eq. 11, Sec. 3.2): drop
+            groups whose rewards are all equal (they carry no signal, see
+            :func:`compute_advantages`) and sample new prompts in their place, so a step still
+            trains on ``prompts_per_step`` groups.
+        max_refills: with ``drop_zero_variance``, rounds of new prompts for the groups one batch
+            lost; the groups still lost after them are kept (advantage 0: no policy gradient).
     """
 
     estimator: str = "zscore"
     eps: float = 1e-6
     drop_zero_variance: bool = False
+    max_refills: int = 4
 
 
 def group_advantages(rewards: torch.Tensor, estimator: str = "zscore", eps: float = 1e-6

@@ -260,7 +260,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "trainer.tp", "layout.nodes")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
-                    "advantage.eps", "layout.gpus_per_node")
+                    "advantage.eps", "advantage.max_refills", "layout.gpus_per_node")
     fractions = ("generator.top_p", "generator.gpu_memory_utilization")
     for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                            (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):

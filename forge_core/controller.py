@@ -148,6 +148,7 @@ class Controller:
         self.ckpt_root = os.path.join(out_dir, "checkpoints")
         self.B = cfg.prompts_per_step * cfg.generator.group_size
         self.batches_made = self.step = 0  # the rollout batch counter k; the training step
+        self.refills: list[list[int]] = []  # [k, groups, round]: new prompts for groups batch k lost (dynamic sampling)
         self.versions: list[int] = []  # per generator replica
         self.rollout_stats: list[dict] = []  # stats of rollouts finished since the last step's log line
         self.last_rollouts: list[dict] = []  # the ones the last log line reported (reused while none finish)
@@ -188,7 +189,8 @@ class Controller:
             held = await call("replay_buffer", self.svc.buffer.state, timeout_s=self._deadline(0))
             torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
             with open(os.path.join(tmp, "controller.json"), "w") as f:
-                json.dump({"step": self.step, "batches_made": self.batches_made, "source": self.source.state_dict(),
+                json.dump({"step": self.step, "batches_made": self.batches_made, "refills": self.refills,
+                           "source": self.source.state_dict(),
                            "generator_version": min(self.versions), "skipped_batches": self.skipped_batches,
                            "checkpoint_failures": self.checkpoint_failures, "restarts": self.restarts}, f)
             checkpoint.write_manifest(tmp, self.step)
@@ -214,7 +216,7 @@ class Controller:
         version = await call("trainer", self.svc.trainer.load, path)
         with open(os.path.join(path, "controller.json")) as f:
             st = json.load(f)
-        self.step, self.batches_made = st["step"], st["batches_made"]
+        self.step, self.batches_made, self.refills = st["step"], st["batches_made"], st.get("refills", [])
         # the metrics' fault counters go on from the checkpoint's (older checkpoints: from 0)
         self.skipped_batches, self.checkpoint_failures = st.get("skipped_batches", 0), st.get("checkpoint_failures", 0)
         self.restarts.update(st.get("restarts", {}))
@@ -293,8 +295,9 @@ class Controller:
         (``k`` less the batches dropped so far) - S."""
         return [i for i, v in enumerate(self.versions) if v >= k - self.skipped_batches - self.cfg.max_staleness]
 
-    async def _generate(self, problems: list, k: int, replicas: list[int]) -> tuple[list[Episode], dict]:
-        """Generate batch ``k`` over ``replicas`` (whole groups each); episodes in problem order."""
+    async def _generate(self, problems: list, k: int, replicas: list[int], rnd: int = 0) -> tuple[list[Episode], dict]:
+        """Generate batch ``k`` (refill round ``rnd``) over ``replicas`` (whole groups each); episodes in
+        problem order."""
         cfg, G = self.cfg, self.cfg.generator.group_size
         plan = self.dispatcher.assign(len(problems), replicas)
         t0 = time.perf_counter()
@@ -302,7 +305,7 @@ class Controller:
         async def one(r: int, groups: list[int]) -> tuple[list[Episode], dict]:
             ta = time.perf_counter()
             got = await self._supervised(self.svc.generators[r].name, "generate", [problems[i] for i in groups],
-                                         cfg.seed * 100_003 + k * 1_009 + r,
+                                         cfg.seed * 100_003 + k * 1_009 + r + rnd * 1_000_003,
                                          tokens=len(groups) * G * cfg.generator.max_response_tokens)
             self.dispatcher.done(r, len(groups), time.perf_counter() - ta)
             return got
@@ -320,29 +323,33 @@ class Controller:
 
     async def rollout_loop(self) -> None:
         """Produce rollout batches until cancelled (see the module docstring), finishing one at a time
-        in a task, in order, so the buffer sees the same batches in the same order. A failure is handed
-        to the training loop (``background_error``), which raises it."""
+        in a task, in order, so the buffer sees the same batches in the same order. New prompts for
+        groups a batch lost (``advantage.drop_zero_variance``) come first, with that batch's replicas.
+        A failure is handed to the training loop (``background_error``), which raises it."""
         finishing: Optional[asyncio.Task] = None
         try:
             try:
                 while True:
                     async with self.changed:
-                        await self.changed.wait_for(
-                            lambda: not self.paused and self.buffered < self.B and self._eligible(self.batches_made)
-                            and not self.loading)  # else the first replica to load the new version takes every group
+                        await self.changed.wait_for(lambda: not self.paused and not self.loading and (
+                            self.refills or self.buffered < self.B and self._eligible(self.batches_made)))
+                        # (not while loading, else the first replica to load the new version takes every group)
                         self.rollouts_in_flight += 1
-                        problems = self.source.next_batch(self.cfg.prompts_per_step)
-                        k = self.batches_made
-                        self.batches_made += 1
+                        if self.refills:
+                            k, n, rnd = self.refills.pop(0)
+                        else:
+                            k, n, rnd = self.batches_made, self.cfg.prompts_per_step, 0
+                            self.batches_made += 1
+                        problems = self.source.next_batch(n)
                         replicas = self._eligible(k)
                     try:
-                        episodes, gen = await self._generate(problems, k, replicas)
+                        episodes, gen = await self._generate(problems, k, replicas, rnd)
                         if finishing is not None:
                             await finishing
                     except BaseException:
                         await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
                         raise
-                    finishing = asyncio.create_task(self._finish(episodes, gen))
+                    finishing = asyncio.create_task(self._finish(episodes, gen, k, rnd))
             finally:
                 if finishing is not None and not finishing.done():
                     finishing.cancel()
@@ -350,9 +357,12 @@ class Controller:
             await self._set(background_error=e)
             raise
 
-    async def _finish(self, episodes: list[Episode], gen: dict) -> None:
-        """Reward, reference logprobs and group advantages of one generated batch, then into the
-        replay buffer. A failure becomes ``background_error`` (the training loop raises it)."""
+    async def _finish(self, episodes: list[Episode], gen: dict, k: int = 0, rnd: int = 0) -> None:
+        """Reward, reference logprobs and group advantages of one generated batch (``k``, refill round
+        ``rnd``), then into the replay buffer. With ``advantage.drop_zero_variance``, groups whose
+        rewards are all equal are dropped and as many new prompts queued for batch ``k`` (``refills``),
+        up to ``advantage.max_refills`` rounds; then they are kept (advantage 0). A failure becomes
+        ``background_error`` (the training loop raises it)."""
         cfg, s = self.cfg, self.svc
         try:
             t0 = time.perf_counter()
@@ -370,8 +380,12 @@ class Controller:
             adv = adv.where(finite, float("nan"))  # a non-finite reward poisons its group: the step is skipped
             for e, a in zip(episodes, adv.flatten().tolist()):
                 e.advantage = a
-            if cfg.advantage.drop_zero_variance:
-                episodes = [e for e in episodes if bool(keep[e.group])]
+            if lost := int((~keep).sum()):
+                if rnd < cfg.advantage.max_refills:
+                    episodes = [e for e in episodes if bool(keep[e.group])]
+                    self.refills.append([k, lost, rnd + 1])
+                else:
+                    adv_m["dropped_groups"] = 0.0
             size = await call("replay_buffer", s.buffer.add, episodes, timeout_s=self._deadline(0))
             self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=max(secs for _, secs in ranks), **adv_m))
             await self._set(buffered=size)

@@ -4,11 +4,13 @@ when, if a weight sync fails, the replay buffer hangs, or the run directory hold
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from types import SimpleNamespace
 
 import pytest
 
+from forge_core import checkpoint
 from forge_core.config import load_config
 from forge_core.controller import Controller, Dispatcher
 from forge_core.actors.replay_buffer import ReplayBuffer
@@ -33,30 +35,35 @@ class _Ep:
         return [await self.fn(*args)]
 
 
-def _controller(tmp_path, overrides, *, load=None, sample=None) -> Controller:
-    """A Controller whose services are coroutines in this process: a generator whose episodes get
-    rewards 0, 1, 0, 1, ... (every group has signal), a trainer that only counts versions, the real
-    ReplayBuffer. ``load(version)`` runs before each replica load; ``sample`` replaces the buffer's."""
+def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> Controller:
+    """A Controller whose services are coroutines in this process: a generator, a reward giving
+    ``reward(episode, i)`` (default 0, 1, 0, 1, ...: every group has signal), a trainer that only
+    counts versions and keeps its batches in ``ctl.trained``, the real ReplayBuffer.
+    ``load(version)`` runs before each replica load; ``sample`` replaces the buffer's."""
     cfg = load_config("smollm2_135m", TINY + overrides)
     ctl = Controller(cfg, str(tmp_path), progress=False)
-    buf, version = ReplayBuffer(cfg.buffer_capacity, cfg.max_staleness), [0]
+    buf, version, loaded = ReplayBuffer(cfg.buffer_capacity, cfg.max_staleness), [0], [0]
+    ctl.trained, ctl.generated = [], []
 
     async def generate(problems, seed):
-        eps = [Episode(prompt_id=p.id, group=0, target=p.answer, prompt_ids=[1], response_ids=[2], policy_version=0,
+        ctl.generated.append(len(problems))
+        eps = [Episode(prompt_id=p.id, group=0, target=p.answer, prompt_ids=[1], response_ids=[2], policy_version=loaded[0],
                        behaviour_logprobs=[-1.0], text="") for p in problems for _ in range(cfg.generator.group_size)]
         return eps, {"gen_s": 0.01, "gen_tokens": len(eps), "gen_tok_s": 100.0}
 
     async def update_weights(handle, staged=False):
         if load:
             await load(handle.version)
+        loaded[0] = handle.version
         return {"version": handle.version, "sync_s": 0.0, "mode": "ipc"}
 
     async def score(eps):
         for i, e in enumerate(eps):
-            e.reward = float(i % 2)
+            e.reward = reward(e, i) if reward else float(i % 2)
         return eps
 
     async def train_step(eps):
+        ctl.trained.append(eps)
         version[0] += 1
         return {"skipped": 0.0, "version": version[0], "loss": 0.0, "clip_frac": 0.0, "grad_norm": 1.0, "train_s": 0.0}
 
@@ -70,19 +77,37 @@ def _controller(tmp_path, overrides, *, load=None, sample=None) -> Controller:
     async def nothing(*_):
         return None
 
+    async def save(path, with_optimizer):
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "version"), "w") as f:
+            f.write(str(version[0]))
+
+    async def load_ckpt(path):
+        with open(os.path.join(path, "version")) as f:
+            version[0] = int(f.read())
+        return version[0]
+
+    async def state():
+        return list(buf.items)
+
+    async def restore(eps):
+        buf.items.extend(eps)
+
     svc = lambda name, **eps: SimpleNamespace(name=name, **{k: _Ep(f) for k, f in eps.items()})  # noqa: E731
     gen = svc("generator", generate=generate, update_weights=update_weights)
     parts = dict(generators=[gen], reward=svc("reward", score=score),
                  reference=svc("reference", logprobs=lambda eps: asyncio.sleep(0, ([[0.0]] * len(eps), 0.0))),
-                 trainer=svc("trainer", train_step=train_step, publish=publish, save=nothing),
+                 trainer=svc("trainer", train_step=train_step, publish=publish, save=save, load=load_ckpt),
                  buffer=svc("replay_buffer", add=add, sample=sample or (lambda n, s: asyncio.sleep(0, buf.sample(n, s))),
-                            num_episodes=lambda: asyncio.sleep(0, len(buf))))
+                            num_episodes=lambda: asyncio.sleep(0, len(buf)), state=state, restore=restore))
     ctl.svc = SimpleNamespace(**parts, generator=gen, all=lambda: [gen, *list(parts.values())[1:]],
                               respawn=nothing, write_placement=lambda path: None, dtypes={"generator": "float32"})
     ctl.source = PromptSource(load_gsm8k("train", os.environ["GSM8K_DIR"]), 0)
 
     async def start():
         ctl.routes, ctl.versions, ctl.dispatcher = [("ipc", 0)], [0], Dispatcher(1)
+        if cfg.resume and (ckpt := checkpoint.resume_point(ctl.ckpt_root)):
+            await ctl.restore(ckpt)
         await ctl.publish_and_sync()
 
     ctl.start = start
@@ -146,3 +171,48 @@ def test_the_cli_reports_a_run_that_cannot_go_on_without_a_traceback(tmp_path):
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "error: " in p.stderr and "holds an earlier run" in p.stderr and "written so far are intact" in p.stderr
+
+
+def _line(e: Episode) -> int:
+    return int(e.prompt_id.rsplit(":", 1)[1])  # a problem's id: file:line
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_dynamic_sampling_refills_the_groups_a_batch_drops(tmp_path, staleness):
+    """advantage.drop_zero_variance (DAPO's dynamic sampling): a group whose rewards are all equal is
+    dropped and a new prompt sampled in its place, so every step trains prompts_per_step groups with
+    signal (dropping alone left batches short, and the run waited forever for a full one)."""
+    ctl = _controller(tmp_path, ["steps=5", f"max_staleness={staleness}", "advantage.drop_zero_variance=true"],
+                      reward=lambda e, i: 1.0 if _line(e) % 3 == 0 else float(i % 2))  # every 3rd row: no signal
+    asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    assert len(ctl.trained) == 5 and all(len(b) == ctl.B for b in ctl.trained)
+    assert all(_line(e) % 3 for b in ctl.trained for e in b)  # only groups with signal
+    assert sum(ctl.generated) > 5 * ctl.cfg.prompts_per_step  # refills were sampled
+
+
+def test_dynamic_sampling_keeps_the_groups_still_lost_after_max_refills(tmp_path):
+    """All rewards equal (a model that never answers): after advantage.max_refills rounds the batch
+    is filled with the all-equal groups (advantage 0) and the step trains; no endless resampling."""
+    ctl = _controller(tmp_path, ["steps=2", "max_staleness=0", "advantage.drop_zero_variance=true",
+                                 "advantage.max_refills=2"], reward=lambda e, i: 0.0)
+    asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    assert ctl.generated[:3] == [2, 2, 2] and len(ctl.trained) == 2  # a batch, then 2 rounds of refills
+    assert all(len(b) == ctl.B and all(e.advantage == 0.0 for e in b) for b in ctl.trained)
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+    """A checkpoint holds the refills still owed (prompts for groups a batch lost): a run stopped
+    after step 2 and resumed trains the same batches as one that was not stopped."""
+    args = ["max_staleness=1", "advantage.drop_zero_variance=true", "checkpoint.every=1"]
+    reward = lambda e, i: 1.0 if _line(e) % 4 == 0 else float(i % 2)  # noqa: E731
+    ids = lambda ctl: [[(e.prompt_id, e.policy_version) for e in b] for b in ctl.trained]  # noqa: E731
+    whole = _controller(tmp_path / "a", ["steps=4", *args], reward=reward)
+    asyncio.run(asyncio.wait_for(whole._run(0.0), 30))
+    first = _controller(tmp_path / "b", ["steps=2", *args], reward=reward)
+    asyncio.run(asyncio.wait_for(first._run(0.0), 30))
+    then = _controller(tmp_path / "b", ["steps=4", *args], reward=reward)
+    asyncio.run(asyncio.wait_for(then._run(0.0), 30))
+    assert ids(first) + ids(then) == ids(whole) and len(ids(whole)) == 4
+    held = [json.load(open(tmp_path / "b" / "checkpoints" / d / "controller.json"))["refills"]
+            for d in os.listdir(tmp_path / "b" / "checkpoints")]
+    assert any(held), held  # (the step-2 checkpoint owes a refill: the case this test is for)

@@ -324,7 +324,7 @@ def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
     class Timed(Controller):
         fail_reference = False
 
-        async def _generate(self, problems, k, replicas):
+        async def _generate(self, problems, k, replicas, rnd=0):
             t0 = time.perf_counter()
             await asyncio.sleep(0.4)
             spans[("gen", k)] = (t0, time.perf_counter())
