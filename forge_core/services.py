@@ -94,7 +94,7 @@ class Service:
     slot: Slot
     procs: Any
     actor: Any
-    where: list = field(default_factory=list)  # per rank: {"hostname", "ips", "pid", "free_port", "rdma"}
+    where: list = field(default_factory=list)  # per rank: Placement.where's {"hostname", "ips", "addr", ...}
     receiver: Any = None  # generator replicas: the WeightReceiver of the same process
 
     @property
@@ -260,7 +260,7 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     procs = host.spawn_procs(per_host={"procs": ranks})
     placement = procs.spawn(f"placement_{name}", Placement)
     where = await _Endpoint(placement.where, ranks).call_all()
-    addr = where[0]["ips"][0] if hosts is not None and where[0]["ips"] else "127.0.0.1"
+    addr = where[0]["addr"] if hosts is not None and where[0]["addr"] else "127.0.0.1"
     mod, cls = ROLES[role][cfg.device == "cuda"].split(":")  # imported on demand: vLLM only on GPUs
     actor = procs.spawn(name, getattr(importlib.import_module(mod), cls),
                         **actor_kwargs(cfg, role, slot, plan, where[0]["free_port"], addr, name, dtype))

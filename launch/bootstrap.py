@@ -224,11 +224,17 @@ def cluster_from_sky(env: Mapping[str, str] | None = None, port: int | None = No
 CLUSTER_FROM = {"slurm": cluster_from_slurm, "sky": cluster_from_sky}  # launcher name -> its Cluster
 
 
+def node_address(cluster: Cluster) -> str:
+    """This node's IPv4 address as the other nodes reach it: ``hosts[node_rank]`` resolved by
+    :func:`_resolve_hosts` (loopback replaced by a routable address). Raises OSError when a host does
+    not resolve or has no route."""
+    return _resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]
+
+
 def worker_address(cluster: Cluster) -> str:
-    """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials; MY_IP is
-    ``hosts[node_rank]`` resolved by :func:`_resolve_hosts` (loopback replaced by a routable address).
-    Raises OSError when a host does not resolve or has no route."""
-    return f"tcp://{_resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]}:{cluster.port}"
+    """``tcp://MY_IP:PORT``: the address this node's worker binds and the controller dials (MY_IP:
+    :func:`node_address`). Raises OSError as it."""
+    return f"tcp://{node_address(cluster)}:{cluster.port}"
 
 
 def run_worker(cluster: Cluster) -> None:
@@ -266,7 +272,7 @@ def start_worker_background(cluster: Cluster) -> subprocess.Popen:
     repository root on PYTHONPATH) in a child process that gets SIGTERM when this process dies
     (PR_SET_PDEATHSIG); :func:`stop` ends it. Returns at once (the worker needs about 1-2 s to import
     Monarch; :func:`attach` waits for it). Raises OSError when the interpreter cannot be started."""
-    host = _resolve_hosts(cluster.hosts, cluster.node_rank)[cluster.node_rank]
+    host = node_address(cluster)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     return subprocess.Popen([sys.executable, "-m", "launch.bootstrap", "worker", "--host", host,

@@ -40,6 +40,9 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
         bootstrap.WorkerUnreachable: a worker was not up within the timeout (names its address).
     """
     cluster = bootstrap.CLUSTER_FROM[source]()
+    # the address the other nodes reach this one at (the worker's): where its actors listen for
+    # weight transfers (forge_core.actors.placement), rather than the first of `hostname -I`
+    os.environ["FORGE_NODE_ADDR"] = bootstrap.node_address(cluster)
     if not cluster.is_controller:
         print(f"[node] worker {bootstrap.worker_address(cluster)} (node {cluster.node_rank}/{cluster.num_nodes})",
               flush=True)

@@ -247,6 +247,22 @@ def test_two_loopback_hosts_one_mesh(tmp_path):
         assert f"[bootstrap] worker tcp://{ip}:{port} (node {rank}/2)" in log, log[-2000:]
 
 
+def test_actors_report_the_launchers_node_address():
+    """A multi-node launcher sets FORGE_NODE_ADDR to its Monarch worker's address (launch.node): the
+    actors' ``addr``, where weight transfers connect, is that one, not the first of ``hostname -I``
+    (on a multi-homed node maybe one the other nodes cannot reach)."""
+    pytest.importorskip("monarch.actor")
+    code = ("import asyncio, json\nfrom monarch.actor import this_host\n"
+            "from forge_core.actors.placement import Placement\n"
+            "async def go():\n    procs = this_host().spawn_procs(per_host={'procs': 1})\n"
+            "    w = await procs.spawn('p', Placement).where.call_one()\n    await procs.stop()\n    return w\n"
+            "print('RESULT ' + json.dumps(asyncio.run(go())))")
+    p = subprocess.run([PY, "-c", code], env={**_env(), "FORGE_NODE_ADDR": "10.123.0.7"}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    where = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert where["addr"] == "10.123.0.7" and "10.123.0.7" not in where["ips"], where
+
+
 # --------------------------------------------------------------------------- slow: fixtures
 
 def _need_root_netns():

@@ -205,6 +205,8 @@ def test_two_nodes_actors_on_both_addresses_steps_and_metrics(two_node_run, work
     assert where["generator"]["ips"] == [NODE_IPS[1]] and where["generator"]["hostname"] == "node2"
     for svc in ("trainer", "reference", "reward", "replay_buffer"):
         assert where[svc]["ips"] == [NODE_IPS[0]] and where[svc]["hostname"] == "node1", svc
+    # each node's actors know its launcher's address (the trainer's is where weight transfers connect)
+    assert where["generator"]["addr"] == NODE_IPS[1] and where["trainer"]["addr"] == NODE_IPS[0]
     rows = _rows(str(run))
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["policy_version"] == r["step"] for r in rows)

@@ -36,9 +36,13 @@ class Placement(Actor):
 
     @endpoint
     async def where(self) -> dict:
-        """``{"hostname", "ips", "pid", "free_port", "ibverbs"}`` of this actor's process;
-        ``ibverbs``: Monarch sees an ibverbs RDMA device here (InfiniBand, RoCE, EFA)."""
+        """``{"hostname", "ips", "addr", "pid", "free_port", "ibverbs"}`` of this actor's process;
+        ``addr``: the address other nodes reach this one at, ``$FORGE_NODE_ADDR`` (a multi-node
+        launcher's: its Monarch worker's), else the first of ``ips`` ("" when none); ``ibverbs``:
+        Monarch sees an ibverbs RDMA device here (InfiniBand, RoCE, EFA)."""
         from monarch.rdma import is_ibverbs_available
 
-        return {"hostname": socket.gethostname(), "ips": host_addresses(), "pid": os.getpid(), "free_port": free_port(),
+        ips = host_addresses()
+        return {"hostname": socket.gethostname(), "ips": ips, "addr": os.environ.get("FORGE_NODE_ADDR") or
+                (ips[0] if ips else ""), "pid": os.getpid(), "free_port": free_port(),
                 "ibverbs": bool(is_ibverbs_available())}
