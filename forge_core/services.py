@@ -172,6 +172,8 @@ class Services:
         than the weights the trainer publishes. Raises ActorFailed when the new actor's constructor fails."""
         old = next(s for s in self.all() if s.name == name)
         await old.stop(10, kill=True)
+        with contextlib.suppress(OSError):  # its CoreShare mark, if it died busy (the others kept half the cores)
+            os.unlink(os.path.join(cores_dir(), name))
         role = "generator" if name.startswith("generator") else name
         new = await spawn_service(self.cfg, role, old.slot, self.plan, self.hosts, name, self.dtypes.get(role))
         if role == "generator":

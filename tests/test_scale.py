@@ -593,12 +593,17 @@ def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
         return services.Service(name, slot, None, None)
 
     monkeypatch.setattr(services, "spawn_service", fake_spawn)
+    marks = [os.path.join(services.cores_dir(), n) for n in ("generator", "reference")]
+    os.makedirs(services.cores_dir(), exist_ok=True)
+    for m in marks:  # killed while busy: CoreShare's marks stay, and the other actors would keep half the cores
+        open(m, "w").close()
     old = {n: services.Service(n, plan.reference, None, None) for n in ("generator", "reward", "reference")}
     svc = services.Services([old["generator"]], old["reward"], old["reference"], None, None, plan, cfg=cfg,
                             dtypes={"generator": "float32", "reference": "bfloat16"})
     for name in ("generator", "reward", "reference"):
         assert asyncio.run(svc.respawn(name)) is not old[name]
     assert spawned == [("generator", "float32"), ("reward", None), ("reference", "bfloat16")]
+    assert not any(os.path.exists(m) for m in marks)  # a respawn removes its service's mark
     assert svc.generator.name == "generator" and svc.generator is not old["generator"]
 
 
