@@ -18,6 +18,8 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
                                                        log one JSONL line, checkpoint every N steps
 
 S = ``max_staleness``; d = batches dropped so far (skipped steps), so batch k trains at step k - d.
+With ``advantage.drop_zero_variance`` (DAPO's dynamic sampling) the groups of batch k whose rewards
+are all equal are dropped, and new prompts for them are the next generation (batch k+1 may be underway).
 With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops alternate (fully
 on-policy). Batch k's reward, reference and advantages run while batch k+1 generates (when its
 replicas are eligible), so the reference's forward is off the rollout path. A checkpoint is taken at
