@@ -6,6 +6,7 @@ Two asyncio loops run concurrently on the controller; every arrow is a Monarch a
     ----------------------------------                 -----------------------------------------
     wait until the buffer holds less than one batch    wait until buffer.sample(B, s) returns B
       and a generator replica has version >= k - d - S   episodes with s - version <= S
+      (and k < steps + d: no batch beyond the last step)
     problems  = source.next_batch(prompts_per_step)    metrics = trainer.train_step(episodes)
     groups -> replicas (Dispatcher: whole groups,      wait for the previous weight sync, then
       to the replica expected to finish first)           handle = trainer.publish()   (version s+1)
@@ -150,6 +151,7 @@ class Controller:
         self.ckpt_root = os.path.join(out_dir, "checkpoints")
         self.B = cfg.prompts_per_step * cfg.generator.group_size
         self.batches_made = self.step = 0  # the rollout batch counter k; the training step
+        self.lost_batches = 0  # batches the buffer evicted (stale): made again, beyond steps + skipped_batches
         self.refills: list[list[int]] = []  # [k, groups, round]: new prompts for groups batch k lost (dynamic sampling)
         self.versions: list[int] = []  # per generator replica
         self.rollout_stats: list[dict] = []  # stats of rollouts finished since the last step's log line
@@ -334,8 +336,10 @@ class Controller:
                 while True:
                     async with self.changed:
                         await self.changed.wait_for(lambda: not self.paused and not self.loading and (
-                            self.refills or self.buffered < self.B and self._eligible(self.batches_made)))
-                        # (not while loading, else the first replica to load the new version takes every group)
+                            self.refills or self.buffered < self.B and self._eligible(self.batches_made)
+                            and self.batches_made < self._batches_wanted()))
+                        # (not while loading, else the first replica to load the new version takes every group;
+                        # none beyond the last step: no generation competes with the last step or is cut at exit)
                         self.rollouts_in_flight += 1
                         if self.refills:
                             k, n, rnd = self.refills.pop(0)
@@ -467,15 +471,22 @@ class Controller:
                           "weight_sync_gb_s": handle.nbytes / max(transfer_s or exposed, 1e-9) / 1e9,
                           "weight_sync_mode": loaded[0].get("mode", "")}
 
+    def _batches_wanted(self) -> int:
+        """Rollout batches the run trains on: one per step, plus the ones skipped or lost."""
+        return self.cfg.steps + self.skipped_batches + self.lost_batches
+
     async def _next_batch(self) -> list[Episode]:
         while True:
             batch = await call("replay_buffer", self.svc.buffer.sample, self.B, self.step, timeout_s=self._deadline(0))
             size = await call("replay_buffer", self.svc.buffer.num_episodes, timeout_s=self._deadline(0))
             async with self.changed:
                 self.buffered = size
-                self.changed.notify_all()
                 if batch is not None:
+                    self.changed.notify_all()
                     return batch
+                if not self.rollouts_in_flight and not self.refills and self.batches_made >= self._batches_wanted():
+                    self.lost_batches += 1  # nothing on the way, and the buffer evicted (part of) a batch
+                self.changed.notify_all()
                 await self.changed.wait_for(lambda: self.buffered >= self.B or self.background_error is not None)
             if self.background_error is not None:
                 raise self.background_error

@@ -43,7 +43,7 @@ def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> 
     cfg = load_config("smollm2_135m", TINY + overrides)
     ctl = Controller(cfg, str(tmp_path), progress=False)
     buf, version, loaded = ReplayBuffer(cfg.buffer_capacity, cfg.max_staleness), [0], [0]
-    ctl.trained, ctl.generated = [], []
+    ctl.trained, ctl.generated, ctl.buffer = [], [], buf
 
     async def generate(problems, seed):
         ctl.generated.append(len(problems))
@@ -202,17 +202,52 @@ def test_dynamic_sampling_keeps_the_groups_still_lost_after_max_refills(tmp_path
 
 def test_dynamic_sampling_resumes_exactly(tmp_path):
     """A checkpoint holds the refills still owed (prompts for groups a batch lost): a run stopped
-    after step 2 and resumed trains the same batches as one that was not stopped."""
+    after step 2 (its trainer fails at step 3) and resumed trains the same batches as one that was not
+    stopped."""
     args = ["max_staleness=1", "advantage.drop_zero_variance=true", "checkpoint.every=1"]
     reward = lambda e, i: 1.0 if _line(e) % 4 == 0 else float(i % 2)  # noqa: E731
     ids = lambda ctl: [[(e.prompt_id, e.policy_version) for e in b] for b in ctl.trained]  # noqa: E731
     whole = _controller(tmp_path / "a", ["steps=4", *args], reward=reward)
     asyncio.run(asyncio.wait_for(whole._run(0.0), 30))
-    first = _controller(tmp_path / "b", ["steps=2", *args], reward=reward)
-    asyncio.run(asyncio.wait_for(first._run(0.0), 30))
+    first = _controller(tmp_path / "b", ["steps=4", *args], reward=reward)
+    train_step = first.svc.trainer.train_step.fn
+
+    async def preempted_at_step_3(eps):
+        if len(first.trained) == 2:
+            raise RuntimeError("preempted")
+        return await train_step(eps)
+
+    first.svc.trainer.train_step.fn = preempted_at_step_3
+    with pytest.raises(ActorFailed, match="preempted"):
+        asyncio.run(asyncio.wait_for(first._run(0.0), 30))
     then = _controller(tmp_path / "b", ["steps=4", *args], reward=reward)
     asyncio.run(asyncio.wait_for(then._run(0.0), 30))
     assert ids(first) + ids(then) == ids(whole) and len(ids(whole)) == 4
     held = [json.load(open(tmp_path / "b" / "checkpoints" / d / "controller.json"))["refills"]
             for d in os.listdir(tmp_path / "b" / "checkpoints")]
     assert any(held), held  # (the step-2 checkpoint owes a refill: the case this test is for)
+
+
+def test_no_rollout_batch_beyond_the_last_step(tmp_path):
+    """The rollout loop makes the batches the run trains and no more: none competes with the last
+    step for the CPU, none is cut off in an actor when the run stops at the end."""
+    ctl = _controller(tmp_path, ["steps=3", "max_staleness=1"])
+    asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    assert len(ctl.trained) == 3 and len(ctl.generated) == 3
+
+
+def test_a_batch_the_buffer_evicted_is_made_again(tmp_path):
+    """Episodes the buffer evicts (here: all it holds, once) are made again: the run does not wait
+    forever for a batch the rollout loop, having made ``steps`` batches, would never start."""
+    evicted = []
+
+    async def sample(n, step):
+        if step == 1 and not evicted and len(ctl.buffer.items) >= n:
+            evicted.append(len(ctl.buffer.items))
+            ctl.buffer.items.clear()
+        return ctl.buffer.sample(n, step)
+
+    ctl = _controller(tmp_path, ["steps=3", "max_staleness=1"], sample=sample)
+    asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    assert len(ctl.trained) == 3 and evicted[0] >= ctl.B
+    assert len(ctl.generated) == 3 + evicted[0] // ctl.B
