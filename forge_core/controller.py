@@ -478,9 +478,8 @@ class Controller:
     async def _next_batch(self) -> list[Episode]:
         while True:
             batch = await call("replay_buffer", self.svc.buffer.sample, self.B, self.step, timeout_s=self._deadline(0))
-            size = await call("replay_buffer", self.svc.buffer.num_episodes, timeout_s=self._deadline(0))
-            async with self.changed:
-                self.buffered = size
+            async with self.changed:  # the size read under the lock: an add is in it, or wakes the wait below
+                self.buffered = await call("replay_buffer", self.svc.buffer.num_episodes, timeout_s=self._deadline(0))
                 if batch is not None:
                     self.changed.notify_all()
                     return batch
