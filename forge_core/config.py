@@ -166,13 +166,16 @@ class FaultConfig:
     call (seconds), plus ``timeout_per_token_s`` per token of its work (generation: prompts x group
     size x max response tokens; reference and trainer: the batch's tokens); a missed deadline counts
     as the actor's death (killed and respawned). ``max_bad_steps``: consecutive optimizer steps
-    skipped for a non-finite loss or gradient norm before the run stops."""
+    skipped for a non-finite loss or gradient norm before the run stops. ``startup_timeout_s``: seconds
+    an actor may take to start and load its first weights (a model download, vLLM's compile and KV
+    cache profiling); a miss stops the run naming the actor."""
 
     max_restarts: int = 3
     restart_window_s: float = 3600.0
     call_timeout_s: float = 600.0
     timeout_per_token_s: float = 0.05
     max_bad_steps: int = 3
+    startup_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -257,7 +260,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
                 "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
                 "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size", "trainer.max_grad_norm",
-                "trainer.tp", "layout.nodes")
+                "trainer.tp", "layout.nodes", "fault.startup_timeout_s")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
                     "advantage.eps", "advantage.max_refills", "layout.gpus_per_node")

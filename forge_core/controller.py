@@ -217,7 +217,7 @@ class Controller:
     async def restore(self, path: str) -> None:
         """Resume from a checkpoint written by :meth:`save_checkpoint`. Raises RuntimeError when the
         trainer's version and the checkpoint's step disagree."""
-        version = await call("trainer", self.svc.trainer.load, path)
+        version = await call("trainer", self.svc.trainer.load, path, timeout_s=self.cfg.fault.startup_timeout_s)
         with open(os.path.join(path, "controller.json")) as f:
             st = json.load(f)
         self.step, self.batches_made, self.refills = st["step"], st["batches_made"], st.get("refills", [])
@@ -521,8 +521,8 @@ class Controller:
         """Load the initial weights everywhere (resuming from the newest checkpoint when
         ``cfg.resume``): the reference takes the trainer's version 0 bit for bit, before a
         checkpoint overwrites the trainer's weights; every replica then loads the trainer's
-        current version."""
-        s = self.svc
+        current version. Every call has ``fault.startup_timeout_s`` (a miss raises ActorFailed naming the actor)."""
+        s, t = self.svc, self.cfg.fault.startup_timeout_s
         self.routes = sync_routes(s, self.cfg.weight_sync.transport)
         if self.cfg.device == "cpu":
             n = self.cfg.threads_per_actor
@@ -531,18 +531,18 @@ class Controller:
                   f"split this host's {len(os.sched_getaffinity(0))} cores", file=sys.stderr, flush=True)
         self.versions = [0] * len(s.generators)
         self.dispatcher = Dispatcher(len(s.generators))
-        dtypes = {await call(g.name, g.get_dtype) for g in s.generators}  # each resolved its `auto` itself
+        dtypes = {await call(g.name, g.get_dtype, timeout_s=t) for g in s.generators}  # each resolved its `auto`
         if len(dtypes) > 1:
             raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
                             f"their hosts' CPUs differ; set generator.dtype explicitly")
         ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
         remote = s.reference.slot.host != s.trainer.slot.host
         # the generators' weight dtype (what the trainer publishes) and the reference's; respawns keep them
-        s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype))
-        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"])
-        await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc")
-        self.tokenizer_files = await call(s.generator.name, s.generator.tokenizer_files)
-        self.ref_digest = await call("reference", s.reference.digest)
+        s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype, timeout_s=t))
+        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"], timeout_s=t)
+        await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc", timeout_s=t)
+        self.tokenizer_files = await call(s.generator.name, s.generator.tokenizer_files, timeout_s=t)
+        self.ref_digest = await call("reference", s.reference.digest, timeout_s=t)
         if ckpt:
             await self.restore(ckpt)
         await self.publish_and_sync()

@@ -127,8 +127,7 @@ class Service:
 
 @dataclass
 class Services:
-    """Every service of a run, and the fault-hook state (no module globals): ``plan`` is the placement
-    they were spawned from, ``faults`` Monarch's reports of unhandled actor failures seen while running."""
+    """Every service of a run: ``plan`` is the placement they were spawned from."""
 
     generators: list  # one Service per generator replica
     reward: Service
@@ -138,8 +137,6 @@ class Services:
     plan: Plan
     cfg: Any = None
     hosts: Any = None
-    faults: list = field(default_factory=list)
-    stopping: bool = False
     dtypes: dict = field(default_factory=dict)  # "generator"/"reference": the dtype they resolved; respawns keep it
 
     @property
@@ -150,13 +147,6 @@ class Services:
     def all(self) -> list[Service]:
         """Every service."""
         return [*self.generators, self.reward, self.reference, self.trainer, self.buffer]
-
-    def on_fault(self, failure: Any) -> None:
-        """Monarch's ``unhandled_fault_hook``: instead of exiting the controller, record the report
-        (ignored while stopping, when a busy actor misses its cleanup deadline); the next call to
-        the failed actor raises :class:`ActorFailed` naming it."""
-        if not self.stopping:
-            self.faults.append(str(failure.report())[:2000])
 
     def write_placement(self, path: str) -> None:
         """Write ``{service: {"hostname", "ips", "pid", ...}}`` of rank 0 of each service to ``path``
@@ -184,7 +174,6 @@ class Services:
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every actor process (idempotent), the services at once, each within ``timeout_s`` seconds."""
-        self.stopping = True
         await asyncio.gather(*(s.stop(timeout_s) for s in self.all()))
         shutil.rmtree(cores_dir(), ignore_errors=True)
 
@@ -253,7 +242,8 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     """Spawn ``role`` on ``slot`` (one process per GPU; a generator replica is one process whatever
     its GPUs, as vLLM starts its own TP workers) with a Placement actor beside each process; a
     generator replica also gets its WeightReceiver. ``dtype``: see :func:`actor_kwargs`. Waits until
-    the actor is constructed. Raises ActorFailed when the actor's constructor fails (the message names it)."""
+    the actor is constructed. Raises ActorFailed when the actor's constructor fails or misses
+    ``fault.startup_timeout_s`` (the message names it)."""
     from monarch.actor import this_host
     from forge_core.actors.placement import Placement
     name = name or role
@@ -261,7 +251,8 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     ranks = 1 if role == "generator" else slot.ranks
     procs = host.spawn_procs(per_host={"procs": ranks})
     placement = procs.spawn(f"placement_{name}", Placement)
-    where = await _Endpoint(placement.where, ranks).call_all()
+    start_s = cfg.fault.startup_timeout_s
+    where = await call_all(f"placement_{name}", _Endpoint(placement.where, ranks), timeout_s=start_s)
     addr = where[0]["addr"] if hosts is not None and where[0]["addr"] else "127.0.0.1"
     mod, cls = ROLES[role][cfg.device == "cuda"].split(":")  # imported on demand: vLLM only on GPUs
     actor = procs.spawn(name, getattr(importlib.import_module(mod), cls),
@@ -269,9 +260,11 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     svc = Service(name, slot, procs, actor, where)
     if role in ("generator", "trainer"):  # a failing constructor surfaces here, naming the actor
         try:
-            await call(name, svc.get_version)
-        except BaseException:
+            await call(name, svc.get_version, timeout_s=start_s)
+        except BaseException as e:
             await svc.stop(10)
+            if isinstance(e, ActorFailed) and e.__cause__ is None:  # the deadline (not an error it raised)
+                raise ActorFailed(f"{e} at startup: fault.startup_timeout_s={start_s:g}, if it only needs longer")
             raise
     if role == "generator":
         from forge_core.actors.weight_receiver import WeightReceiver
@@ -284,6 +277,8 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     Colocated with the trainer, the generator starts first, so vLLM sizes its KV cache before the
     others allocate. ``hosts``: a multi-host ``HostMesh`` (node-rank order) or None for this host.
     Raises ActorFailed when an actor's constructor fails; the services already started are stopped."""
+    import monarch.actor
+    monarch.actor.unhandled_fault_hook = _on_fault
     plan = plan_layout(cfg)
     started: list[Service] = []
 
@@ -304,8 +299,11 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
             ("replay_buffer", Slot(0), "")]
     got = await spawn(jobs[0]) + await spawn(*jobs[1:]) if plan.colocated else await spawn(*jobs)  # the engine first
     trainer, reference, reward, buf = got[n:]
-    svc = Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
-                   hosts=hosts)
-    import monarch.actor
-    monarch.actor.unhandled_fault_hook = svc.on_fault
-    return svc
+    return Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
+                    hosts=hosts)
+
+
+def _on_fault(failure: Any) -> None:
+    """Monarch's ``unhandled_fault_hook``, which by default exits the controller when an actor fails
+    (also when a busy one misses its cleanup deadline as it is stopped): nothing, as the next call to
+    the failed actor raises :class:`ActorFailed` naming it."""

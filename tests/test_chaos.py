@@ -481,3 +481,45 @@ def test_trainer_skips_a_non_finite_step(tmp_path):
             await t.stop()
 
     asyncio.run(go())
+
+
+# A sitecustomize for every process of a run: the generator's constructor sleeps (a hung model load).
+HUNG_GENERATOR = '''
+import importlib.abc, importlib.machinery, sys, time
+
+
+class HangGenerator(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "forge_core.actors.generator":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.Generator.__init__ = lambda self, *a, **k: time.sleep(3600)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, HangGenerator())
+'''
+
+
+def test_an_actor_that_never_starts_stops_the_run_naming_it(tmp_path):
+    """The generator's constructor hangs: the run stops at fault.startup_timeout_s with an error
+    naming the actor and the key (it used to wait forever), and writes no metrics."""
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "sitecustomize.py").write_text(HUNG_GENERATOR)
+    run = Run(tmp_path, "nostart", ["steps=2", "fault.startup_timeout_s=20"], pythonpath=str(tmp_path / "mod"))
+    try:
+        rc = run.finish(timeout=240)
+    finally:
+        run.kill()
+    out = run.output()
+    assert rc == 1, out[-3000:]
+    err = [l for l in out.splitlines() if l.startswith("error:")]
+    assert err and "actor 'generator' did not answer within 20 s" in err[0], out[-3000:]
+    assert "at startup: fault.startup_timeout_s=20" in err[0] and "Traceback" not in out, out[-3000:]
+    assert not os.path.exists(os.path.join(run.dir, "metrics.jsonl"))
