@@ -299,7 +299,10 @@ async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
     up = await asyncio.gather(*(wait_port(h, cluster.port, deadline) for h in cluster.hosts))
     if missing := [f"{h}:{cluster.port}" for h, ok in zip(cluster.hosts, up) if not ok]:
         if live := [a for a, ok in zip(cluster.worker_addresses(), up) if ok]:
-            await _release(live)
+            with contextlib.suppress(Exception):  # best effort, 5 s a step: shut the live workers down
+                rel = attach_to_workers(workers=live, ca=TRUST_ALL, name="release")
+                await asyncio.wait_for(rel.initialized, timeout=5.0)
+                await asyncio.wait_for(rel.shutdown(), timeout=5.0)
         raise WorkerUnreachable(missing, timeout_s)
 
     mesh = attach_to_workers(workers=cluster.worker_addresses(), ca=TRUST_ALL)
@@ -310,16 +313,6 @@ async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
                                 "ports open but the host mesh did not initialize; "
                                 "see /tmp/$USER/monarch_log.log") from None
     return mesh
-
-
-async def _release(addresses: list[str], grace_s: float = 5.0) -> None:
-    """Attach to live workers and shut them down so they exit; bounded by grace_s seconds."""
-    from monarch.actor import attach_to_workers
-
-    with contextlib.suppress(Exception):  # best effort: the error that matters is the unreachable host
-        mesh = attach_to_workers(workers=addresses, ca=TRUST_ALL, name="release")
-        await asyncio.wait_for(mesh.initialized, timeout=grace_s)
-        await asyncio.wait_for(mesh.shutdown(), timeout=grace_s)
 
 
 def host_slice(mesh: "HostMesh", i: int) -> "HostMesh":
