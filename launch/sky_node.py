@@ -134,16 +134,6 @@ def resolve_recipe(nodes: int, gpus_per_node: int, overrides: Sequence[str] = ()
                    f"{', '.join(relpath(d, root) for d in fits)}. {how}")
 
 
-def _task_env(env: MutableMapping[str, str]) -> None:
-    """Normalise the task's secrets and logging switches in place."""
-    for k in [k for k in SECRETS if k in env and not env[k]]:  # declared empty: --secret is optional
-        del env[k]
-    if env.get("WANDB_API_KEY") and not env.get("WANDB_MODE"):
-        env["WANDB_MODE"] = "online"
-    if not env.get("FORGE_RUN_ID") and env.get("SKYPILOT_TASK_ID"):
-        env["FORGE_RUN_ID"] = env["SKYPILOT_TASK_ID"].replace("/", "_")
-
-
 def run_worker_node(cluster, timeout_s: float, grace_s: float = 30.0, poll_s: float = 3.0) -> int:
     """Run this node's Monarch worker until node 0 shuts the mesh down (returns its exit code).
 
@@ -155,22 +145,18 @@ def run_worker_node(cluster, timeout_s: float, grace_s: float = 30.0, poll_s: fl
 
     head, port = cluster.hosts[0], cluster.port
     proc = bootstrap.start_worker_background(cluster)
-    deadline = time.monotonic() + timeout_s
-    seen, gone_since, why = False, None, None
+    deadline, seen, gone_since = time.monotonic() + timeout_s, False, None
     try:
         while (rc := proc.poll()) is None:
             now = time.monotonic()
             if port_open(head, port):
                 seen, gone_since = True, None
-            elif not seen and now > deadline:
-                why = (f"the controller node (node 0, {head}:{port}) did not come up within "
-                       f"{timeout_s:g} s; see node 0's log")
             elif seen:
                 gone_since = gone_since or now
-                if now - gone_since > grace_s:
-                    why = f"the controller node (node 0, {head}:{port}) went away without shutting the mesh down"
-            if why:
-                print(f"error: {why}", file=sys.stderr, flush=True)
+            if (not seen and now > deadline) or (gone_since is not None and now - gone_since > grace_s):
+                why = ("went away without shutting the mesh down" if seen else
+                       f"did not come up within {timeout_s:g} s; see node 0's log")
+                print(f"error: the controller node (node 0, {head}:{port}) {why}", file=sys.stderr, flush=True)
                 return 3
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=poll_s)
@@ -187,7 +173,12 @@ def run(argv: Sequence[str] = (), env: Optional[MutableMapping[str, str]] = None
     from launch import bootstrap
 
     env = os.environ if env is None else env
-    _task_env(env)
+    for k in [k for k in SECRETS if k in env and not env[k]]:  # declared empty: --secret is optional
+        del env[k]
+    if env.get("WANDB_API_KEY") and not env.get("WANDB_MODE"):
+        env["WANDB_MODE"] = "online"
+    if not env.get("FORGE_RUN_ID") and env.get("SKYPILOT_TASK_ID"):
+        env["FORGE_RUN_ID"] = env["SKYPILOT_TASK_ID"].replace("/", "_")
     overrides = shlex.split(env.get("FORGE_ARGS", "")) + list(argv)
     try:
         cluster = bootstrap.cluster_from_sky(env)
