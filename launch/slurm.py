@@ -31,6 +31,7 @@ config, metrics or logs; submission refuses if one would be.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import functools
 import json
@@ -171,13 +172,12 @@ class NodeTask:
     """
 
     _signalled_at: Optional[float] = None  # time.monotonic() of this process's SIGTERM; never pickled
+    preempt_grace_s = 120.0
 
-    def __init__(self, recipe: str, overrides: Sequence[str], attach_timeout_s: float,
-                 preempt_grace_s: float = 120.0):
+    def __init__(self, recipe: str, overrides: Sequence[str], attach_timeout_s: float):
         self.recipe = recipe
         self.overrides = list(overrides)
         self.attach_timeout_s = attach_timeout_s
-        self.preempt_grace_s = preempt_grace_s
 
     def __repr__(self) -> str:
         return (f"NodeTask(recipe={self.recipe!r}, overrides={self.overrides!r}, "
@@ -286,7 +286,6 @@ class JobSpec:
     run_root: str  # <output_dir>; the run directory is <run_root>/<job id> unless run_id is set
     task: NodeTask
     sbatch: dict  # ``#SBATCH`` options {name: value} (True: a flag), e.g. {"nodes": 2, "requeue": True}
-    setup: list  # shell lines of the batch script before srun
     python: str  # the interpreter every node runs (the profile's ``python``)
 
 
@@ -331,13 +330,11 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
               "chdir": str(ROOT), "output": f"{folder}/%j_0_log.out", "error": f"{folder}/%j_0_log.err",
               "open-mode": "append", **prof.sbatch}
     sbatch = {k: v for k, v in sbatch.items() if v is not None}
-    setup = [f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
-             f"export FORGE_MONARCH_PORT={prof.monarch_port}", *prof.setup]
     python = prof.python or sys.executable
     if os.sep in python or python.startswith("~"):  # else a name found on the nodes
         python = str(ROOT / Path(python).expanduser())  # (an absolute path stays as it is)
     task = NodeTask(recipe_dir(recipe), overrides, prof.attach_timeout_s)
-    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, setup, python)
+    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, python)
 
 
 def node_python_problem(spec: JobSpec) -> Optional[str]:
@@ -350,18 +347,15 @@ def node_python_problem(spec: JobSpec) -> Optional[str]:
     if not (os.path.isfile(spec.python) and os.access(spec.python, os.X_OK)):
         return (f"{spec.profile_path}: python={spec.profile.python!r}: {spec.python} is not an executable here "
                 f"(the nodes run it from the same path: a filesystem they share with this host)")
-    if spec.cfg.generator.backend != "vllm":
-        return None
-    try:
-        p = subprocess.run([spec.python, "-c", "import importlib.util as u; print(u.find_spec('vllm') is None)"],
-                           capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if p.stdout.strip() != "True":
-        return None
-    return (f"recipe {spec.cfg.recipe} generates with vLLM (generator.backend=vllm), but the nodes would run "
-            f"{spec.python}, which has no vllm: set python: in {spec.profile_path} to a GPU environment on the "
-            f"shared filesystem (the project with its gpu extra; README: SLURM)")
+    if spec.cfg.generator.backend == "vllm":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # cannot be told: None
+            p = subprocess.run([spec.python, "-c", "import importlib.util as u; print(u.find_spec('vllm') is None)"],
+                               capture_output=True, text=True, timeout=120)
+            if p.stdout.strip() == "True":
+                return (f"recipe {spec.cfg.recipe} generates with vLLM (generator.backend=vllm), but the nodes would "
+                        f"run {spec.python}, which has no vllm: set python: in {spec.profile_path} to a GPU "
+                        f"environment on the shared filesystem (the project with its gpu extra; README: SLURM)")
+    return None
 
 
 def sbatch_script(spec: JobSpec) -> str:
@@ -375,11 +369,13 @@ def sbatch_script(spec: JobSpec) -> str:
     ``--cpus-per-task`` again (srun of SLURM 22.05-23.02 does not inherit it from sbatch)."""
     opts = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}"
             for k, v in sorted(spec.sbatch.items())]
+    setup = [f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
+             f"export FORGE_MONARCH_PORT={spec.profile.monarch_port}", *spec.profile.setup]
     cpus = [f"--cpus-per-task={spec.profile.cpus_per_task}"] if spec.profile.cpus_per_task else []
     srun = shlex.join(["srun", "--unbuffered", "--output", f"{spec.folder}/%j_%t_log.out", "--error",
                        f"{spec.folder}/%j_%t_log.err", "--kill-on-bad-exit=1", "--export=ALL", *cpus])
     run = f"{srun} {shlex.quote(spec.python)} -u -m submitit.core._submit {shlex.quote(spec.folder)}"
-    return "\n".join(["#!/bin/bash", "", "# Parameters", *opts, "", "# setup", *spec.setup, "", "# command",
+    return "\n".join(["#!/bin/bash", "", "# Parameters", *opts, "", "# setup", *setup, "", "# command",
                       "export SUBMITIT_EXECUTOR=slurm", run, ""])
 
 
@@ -545,14 +541,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a, extra = p.parse_known_args(argv)  # overrides may come after the options
     if extra and (a.cmd != "submit" or any(x.startswith("-") for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
-        a.overrides += extra
 
     from forge_core.config import ConfigError
 
     try:
         if a.cmd == "submit":
-            spec = build_job(a.recipe, a.cluster, a.nodes, a.overrides, check_cluster=True)
+            spec = build_job(a.recipe, a.cluster, a.nodes, a.overrides + extra, check_cluster=True)
             if a.dry_run:
                 _print_dry_run(spec)
                 return 0
