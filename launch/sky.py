@@ -22,21 +22,6 @@ from launch.common import SECRETS
 from launch.sky_node import DEFAULT_CKPT_DIR, ROOT, SkyError, relpath
 
 
-def _task_file(recipe_or_yaml: str) -> tuple[str, str]:
-    """``(recipe folder, its sky.yaml)`` from a recipe name, a folder or a sky.yaml path.
-    Raises ConfigError (no such recipe) or SkyError (no sky.yaml)."""
-    from forge_core.config import recipe_dir
-
-    p = recipe_or_yaml
-    if p.endswith((".yaml", ".yml")) and os.path.isfile(p):
-        return os.path.dirname(os.path.abspath(p)), os.path.abspath(p)
-    folder = recipe_dir(p)
-    yaml_path = os.path.join(folder, "sky.yaml")
-    if not os.path.isfile(yaml_path):
-        raise SkyError(f"recipe {p!r} has no sky.yaml ({yaml_path})")
-    return folder, yaml_path
-
-
 def cluster_name(recipe: str) -> str:
     """Default cluster name: ``forge-<recipe>`` with ``_`` as ``-`` (valid on every cloud)."""
     return "forge-" + os.path.basename(os.path.abspath(recipe)).replace("_", "-").lower()
@@ -128,13 +113,20 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     ``dry_run``: print the command and the parsed task (secrets redacted), launch nothing.
     Returns the exit code.
     """
-    from forge_core.config import ConfigError, load_config
+    from forge_core.config import ConfigError, load_config, recipe_dir
     from forge_core.models import gated_without_token
 
     env = os.environ if env is None else env
     yaml_path = recipe_or_yaml
     try:
-        folder, yaml_path = _task_file(recipe_or_yaml)
+        if recipe_or_yaml.endswith((".yaml", ".yml")) and os.path.isfile(recipe_or_yaml):  # the task file
+            yaml_path = os.path.abspath(recipe_or_yaml)
+            folder = os.path.dirname(yaml_path)
+        else:  # a recipe name or folder: its sky.yaml
+            folder = recipe_dir(recipe_or_yaml)
+            yaml_path = os.path.join(folder, "sky.yaml")
+            if not os.path.isfile(yaml_path):
+                raise SkyError(f"recipe {recipe_or_yaml!r} has no sky.yaml ({yaml_path})")
         rel = relpath(folder)
         cfg = load_config(folder, shlex.split(forge_args))
         if gated := gated_without_token(cfg.model, env):
