@@ -45,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from launch.common import wait_port
+from launch.common import port_open
 
 if TYPE_CHECKING:  # monarch is imported lazily: parsing host lists must not need it
     from monarch.actor import HostMesh
@@ -277,6 +277,16 @@ def start_worker_background(cluster: Cluster) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     return subprocess.Popen([sys.executable, "-m", "launch.bootstrap", "worker", "--host", host,
                              "--port", str(cluster.port)], env=env, preexec_fn=_PDEATHSIG)
+
+
+async def wait_port(host: str, port: int, deadline: float, interval_s: float = 0.25) -> bool:
+    """:func:`port_open` retried (in a thread, so many ports are probed at once) every ``interval_s``
+    seconds until it succeeds (True) or ``deadline`` (``time.monotonic()`` seconds) passes (False)."""
+    while (left := deadline - time.monotonic()) > 0:
+        if await asyncio.to_thread(port_open, host, port, min(2.0, left)):
+            return True
+        await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 async def attach(cluster: Cluster, timeout_s: float = 120.0) -> "HostMesh":
