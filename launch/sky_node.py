@@ -4,10 +4,9 @@
     python -m launch.sky_node run             # the task's run: section
 
 Every node finds its rank and the node IPs with :func:`launch.bootstrap.cluster_from_sky`, checks
-the config, then hands over to :mod:`launch.node` (node 0: worker and controller; others: a worker).
-A worker node exits (code 3, naming node 0's address) when node 0's worker port does not open
-within ``FORGE_ATTACH_TIMEOUT`` seconds or closes without a mesh shutdown, so a failed controller
-leaves no process behind. The client side (``make sky``) is :mod:`launch.sky`.
+the config, then runs :mod:`launch.node` (node 0: worker and controller) or :func:`run_worker_node`
+(the others: a worker that exits, code 3, when node 0 is not up within ``FORGE_ATTACH_TIMEOUT`` seconds
+or goes away). The client side (``make sky``) is :mod:`launch.sky`.
 
 Task environment (declared in every ``sky.yaml``; override with ``--env NAME=VALUE``):
 

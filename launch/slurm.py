@@ -165,10 +165,9 @@ def cluster_partitions() -> Optional[list[str]]:
 class NodeTask:
     """What every task of the job runs (one task per node); submitit pickles it.
 
-    ``__call__`` runs :func:`launch.node.run_node` with the run id set to the SLURM job id, which a
-    requeue keeps, so a requeued job resumes from the run's newest checkpoint. ``checkpoint`` is
-    submitit's requeue protocol (rank 0, on USR2). ``preempt_grace_s``: seconds rank 0 waits for the
-    requeue when it fails after a SIGTERM.
+    ``__call__`` runs :func:`launch.node.run_node` with the run id set to the SLURM job id (requeues:
+    see the module docstring); ``checkpoint`` is submitit's requeue protocol. ``preempt_grace_s``:
+    seconds rank 0 waits for the requeue when it fails after a SIGTERM.
     """
 
     _signalled_at: Optional[float] = None  # time.monotonic() of this process's SIGTERM; never pickled
