@@ -138,7 +138,7 @@ def load_profile(name: str) -> tuple[Profile, Path]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SlurmError(f"{path}: unknown profile key {key!r}{hint}; known keys: {', '.join(known)}")
         want = _TYPES[key]
-        if value is not None and not (isinstance(value, want) and not (want is int and isinstance(value, bool))):
+        if value is not None and not (isinstance(value, want) and not (want != bool and isinstance(value, bool))):
             raise SlurmError(f"{path}: {key}={value!r} has the wrong type (expected {getattr(want, '__name__', want)})")
         zero_ok = key == "max_requeues_on_timeout"  # every other number (minutes, GB, CPUs, s, port): > 0
         if want in (int, (int, float)) and value is not None and (value < 0 or (value == 0 and not zero_ok)):

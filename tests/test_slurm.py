@@ -84,6 +84,9 @@ def test_profile_missing_lists_known_ones():
 def test_profile_wrong_type_is_named(tmp_path):
     with pytest.raises(slurm.SlurmError, match=r"time_min='soon' has the wrong type"):
         slurm.load_profile(_profile(tmp_path, "time_min: soon\n"))
+    for key in ("mem_gb", "attach_timeout_s", "cpus_per_task"):  # YAML's true is no number (mem_gb: true was 1 GB)
+        with pytest.raises(slurm.SlurmError, match=rf"{key}=True has the wrong type"):
+            slurm.load_profile(_profile(tmp_path, f"{key}: true\n"))
 
 
 @pytest.mark.parametrize("text", ["time_min: -5", "mem_gb: -1", "cpus_per_task: 0", "signal_delay_s: -1",
