@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import glob
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -96,11 +97,8 @@ def choose_transport(setting: str, same_host: bool, ibverbs: bool) -> tuple[str,
 
 def layout_views(flat: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor]]:
     """``[(name, view)]`` of a flat buffer laid out as ``layout`` (``[(name, shape, numel)]``)."""
-    out, off = [], 0
-    for name, shape, n in layout:
-        out.append((name, flat[off:off + n].view(shape)))
-        off += n
-    return out
+    offsets = itertools.accumulate((n for *_, n in layout), initial=0)
+    return [(name, flat[off:off + n].view(shape)) for (name, shape, n), off in zip(layout, offsets)]
 
 
 def digest_of(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -164,8 +162,7 @@ class StagingBuffer:
                                      f"({None if v is None else tuple(v.shape)})")
                 v.copy_(t)
                 seen.add(name)
-        missing = [n for n, *_ in self.layout if n not in seen]
-        if missing:
+        if missing := [n for n, *_ in self.layout if n not in seen]:
             raise ValueError(f"weight sync: tensors missing from the published weights: {missing[:3]}")
         if self.flat.is_cuda:
             torch.cuda.synchronize(self.flat.device)
@@ -226,17 +223,13 @@ def open_ipc(handle: WeightHandle) -> torch.Tensor:
 def ipc_buckets(layout: list, bucket_elems: int) -> list[tuple[int, int, list]]:
     """Split ``layout`` into consecutive buckets of at most ``bucket_elems`` elements (a tensor
     larger than that gets a bucket of its own): ``[(start, end, entries)]`` in element offsets."""
-    out, start, cur, entries = [], 0, 0, []
+    out, off = [], 0  # [start, end, entries] of each bucket
     for entry in layout:
-        n = entry[2]
-        if entries and cur - start + n > bucket_elems:
-            out.append((start, cur, entries))
-            start, entries = cur, []
-        entries.append(entry)
-        cur += n
-    if entries:
-        out.append((start, cur, entries))
-    return out
+        if not out or off + entry[2] - out[-1][0] > bucket_elems:
+            out.append([off, off, []])
+        off = out[-1][1] = off + entry[2]
+        out[-1][2].append(entry)
+    return [tuple(b) for b in out]
 
 
 def load_into_model(model: torch.nn.Module, handle: WeightHandle, bucket_bytes: int = 1 << 30) -> dict:
