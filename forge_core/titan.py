@@ -64,7 +64,6 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
     hf = hf_config_dict(name)
     mt = hf["model_type"]
     scaling = (hf.get("rope_scaling") or {}).get("rope_type")
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if mt == "llama" and scaling == "llama3":
         from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
         dim = hf["hidden_size"]
@@ -90,7 +89,7 @@ def titan_model_args(name: str, max_seq_len: int = 4096) -> TitanSpec:
         from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
         args = Qwen3ModelArgs(
             dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf["num_key_value_heads"], vocab_size=hf["vocab_size"], head_dim=head_dim,
+            n_kv_heads=hf["num_key_value_heads"], vocab_size=hf["vocab_size"], head_dim=hf["head_dim"],
             hidden_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"], rope_theta=hf["rope_theta"],
             qk_norm=mt == "qwen3", max_seq_len=max_seq_len, enable_weight_tying=bool(hf.get("tie_word_embeddings")))
         return TitanSpec("qwen3", args, hf)
@@ -155,8 +154,8 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
     return model
 
 
-def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None, dtype: Optional[torch.dtype] = None,
-                     full: bool = True) -> Iterable[tuple[str, torch.Tensor]]:
+def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None,
+                     dtype: Optional[torch.dtype] = None) -> Iterable[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every parameter, converted by the state-dict adapter (one
     parameter at a time, so at most one full tensor is alive). With FSDP/TP (DTensor parameters)
     every rank must iterate (each ``full_tensor`` is a collective). ``dtype`` casts before gathering."""
@@ -165,7 +164,7 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None, dtyp
     for name, p in model.named_parameters():
         name = clean_name(name)
         t = p.detach() if dtype is None else p.detach().to(dtype)
-        if full and isinstance(t, DTensor):
+        if isinstance(t, DTensor):
             t = t.full_tensor()
         for k, v in adapter.to_hf({name: t}).items():
             if k not in seen:
