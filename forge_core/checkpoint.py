@@ -80,8 +80,7 @@ def resume_point(root: str) -> Optional[str]:
     naming it and why, a manifest-less one (an older run) is used with a warning that it cannot be
     verified. None when there is none."""
     for path in reversed(complete(root)):
-        why = verify(path)
-        if why is None:
+        if (why := verify(path)) is None:
             if not has_manifest(path):
                 warn(f"checkpoint {path} has no manifest (written by an older version): resuming from it "
                      f"without verifying it")

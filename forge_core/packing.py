@@ -174,8 +174,7 @@ def enable_packed_attention(model: torch.nn.Module, backend: Optional[str] = Non
             "sdpa": ("varlen", DocumentCausalSDPA)}
     if backend not in make:
         raise ValueError(f"unknown packed attention backend {backend!r}; expected one of {sorted(make)}")
-    mods = _attention_modules(model)
-    if not mods:
+    if not (mods := _attention_modules(model)):
         raise ValueError("enable_packed_attention: no TorchTitan Attention module (attn_type) in the model")
     attn_type, cls = make[backend]
     for m in mods:

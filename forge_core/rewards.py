@@ -108,7 +108,6 @@ def gsm8k_reward(response: str, target: str, cfg: RewardConfig) -> Score:
     gold = normalize_number(target)
     if gold is None:
         raise ValueError(f"GSM8K target answer is not a number: {target!r}")
-    pred = extract_answer(response, cfg.mode)
-    correct = pred is not None and pred == gold
+    correct = extract_answer(response, cfg.mode) == gold  # gold is a number, so a missing answer is wrong
     formatted = format_reward(response) > 0
     return Score(reward=cfg.correct * correct + cfg.format_weight * formatted, correct=correct, formatted=formatted)
