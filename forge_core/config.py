@@ -249,7 +249,7 @@ def _check(cfg: DictConfig, where: str) -> None:
     choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
                "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
-               "advantage.estimator": ADVANTAGE_ESTIMATORS,
+               "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
                "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",)}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
@@ -283,9 +283,6 @@ def _check(cfg: DictConfig, where: str) -> None:
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
                           f"than the longest episode (generator.max_prompt_tokens + max_response_tokens = {seq})")
-    if cfg.trainer.mps_client_priority not in (0, 1):
-        raise ConfigError(f"{where}: trainer.mps_client_priority={cfg.trainer.mps_client_priority} must be 0 (normal) "
-                          "or 1 (below normal)")
     if cfg.buffer_capacity < (B := cfg.prompts_per_step * cfg.generator.group_size):
         raise ConfigError(f"{where}: buffer_capacity={cfg.buffer_capacity} is smaller than one training batch "
                           f"(prompts_per_step x generator.group_size = {B} episodes): no step could be sampled")
