@@ -48,11 +48,9 @@ def normalize_number(text: str) -> Optional[str]:
 
 
 def extract_answer(text: str, mode: str = "strict") -> Optional[str]:
-    """The normalised final answer in a model response, or ``None`` if there is none.
+    """The normalised final answer in the response ``text``, or ``None`` if there is none. ``mode``:
+    ``"strict"`` (the number after the last ``####``) or ``"flexible"`` (the last number).
 
-    Args:
-        text: the response text.
-        mode: ``"strict"`` (number after the last ``####``) or ``"flexible"`` (last number).
     Raises:
         ValueError: for an unknown ``mode``.
     """
@@ -96,12 +94,9 @@ class Score:
 
 
 def gsm8k_reward(response: str, target: str, cfg: RewardConfig) -> Score:
-    """Score a response against a GSM8K target answer.
+    """Score the generated text ``response`` against the GSM8K answer ``target`` (any format
+    :func:`normalize_number` accepts) under ``cfg`` (a :class:`RewardConfig` or a DictConfig with its fields).
 
-    Args:
-        response: the generated text.
-        target: the reference answer (any format :func:`normalize_number` accepts).
-        cfg: the :class:`RewardConfig` (or a DictConfig with its fields).
     Raises:
         ValueError: if ``target`` is not a number, or ``cfg.mode`` is unknown.
     """
