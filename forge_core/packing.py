@@ -87,9 +87,9 @@ class PackedBatch:
     max_response: int
     n_pad: int
 
-    def to(self, device, non_blocking: bool = True) -> "PackedBatch":
-        """A copy with every tensor on ``device``."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+    def to(self, device) -> "PackedBatch":
+        """A copy with every tensor on ``device`` (copied with ``non_blocking=True``)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
                                 for f in fields(self) if torch.is_tensor(getattr(self, f.name))})
 
 

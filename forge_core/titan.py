@@ -267,7 +267,7 @@ class PositionSelect:
 
 
 def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperature: float, device: torch.device,
-                      select: Optional[PositionSelect] = None, pad_id: int = 0) -> torch.Tensor:
+                      select: Optional[PositionSelect] = None) -> torch.Tensor:
     """``[B, R]`` float32 logprobs of each episode's response tokens (columns ``0..R_i-1``, as in
     :func:`forge_core.episode.collate`), under a TorchTitan model.
 
@@ -278,7 +278,7 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     """
     B, m = len(episodes), 64 if torch.device(device).type == "cuda" else 8  # CPU: less padding
     T = -(-max(len(e.prompt_ids) + len(e.response_ids) for e in episodes) // m) * m  # rounded up to m
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    ids = torch.zeros((B, T), dtype=torch.long)  # padding: token 0
     rows, flat, tgt, outc = [], [], [], []
     for i, e in enumerate(episodes):
         p, r = len(e.prompt_ids), len(e.response_ids)
