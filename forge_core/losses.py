@@ -349,12 +349,10 @@ def validate_loss(cfg: Any) -> None:
         raise ValueError(f"unknown kl_estimator={cfg.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation={cfg.aggregation!r}; expected one of {AGGREGATIONS}")
-    if not float(cfg.beta) >= 0.0:
-        raise ValueError(f"beta must be >= 0, got {cfg.beta!r}")
-    if name in ("grpo", "dr_grpo", "dapo", "gspo", "cispo"):
-        for field in ("clip_low", "clip_high"):
-            if not float(getattr(cfg, field)) >= 0.0:
-                raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)!r}")
+    clips = ("clip_low", "clip_high") if name in ("grpo", "dr_grpo", "dapo", "gspo", "cispo") else ()
+    for field in ("beta", *clips):
+        if not float(getattr(cfg, field)) >= 0.0:
+            raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)!r}")
     if name in ("grpo", "dr_grpo", "dapo") and cfg.dual_clip is not None and not float(cfg.dual_clip) > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {cfg.dual_clip!r}")
     if name == "sapo":
