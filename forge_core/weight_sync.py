@@ -62,7 +62,7 @@ class WeightHandle:
         layout: ``[(hf_name, shape, numel)]`` in buffer order (element offsets are cumulative).
         dtype: element dtype name, e.g. ``"bfloat16"``.
         nbytes: buffer size in bytes.
-        ipc: same-host access: ``("cuda", rebuild_fn, args, gpu_uuid, pid)`` or ``("shm", path, pid)``.
+        ipc: same-host access: ``("cuda", rebuild_fn, args, gpu_uuid, key)`` or ``("shm", path, key)``, key (pid, id).
         rdma: a ``monarch.rdma.RDMABuffer`` over the bytes, or None.
         group: the nccl/gloo group the sender broadcasts to, or None.
     """
