@@ -53,11 +53,11 @@ def parse_row(row: Any, where: str) -> Problem:
     DataError naming ``where`` (``file:line``) if the row is malformed."""
     if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
         raise DataError(f"{where}: expected an object with string fields 'question' and 'answer'")
-    if "####" not in row["answer"]:
+    _, marker, tail = row["answer"].rpartition("####")
+    if not marker:
         raise DataError(f"{where}: answer has no '#### N' final-answer line")
-    final = normalize_number(row["answer"].rsplit("####", 1)[1])
-    if final is None:
-        raise DataError(f"{where}: the text after '####' is not a number: {row['answer'].rsplit('####', 1)[1]!r}")
+    if (final := normalize_number(tail)) is None:
+        raise DataError(f"{where}: the text after '####' is not a number: {tail!r}")
     return Problem(id=where, question=row["question"].strip(), answer=final)
 
 
