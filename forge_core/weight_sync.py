@@ -227,7 +227,8 @@ def ipc_buckets(layout: list, bucket_elems: int) -> list[tuple[int, int, list]]:
     for entry in layout:
         if not out or off + entry[2] - out[-1][0] > bucket_elems:
             out.append([off, off, []])
-        off = out[-1][1] = off + entry[2]
+        off += entry[2]
+        out[-1][1] = off
         out[-1][2].append(entry)
     return [tuple(b) for b in out]
 
