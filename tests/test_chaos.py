@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -283,7 +284,9 @@ def test_max_restarts_exhausted_stops_naming_the_actor(tmp_path):
     assert rc == 1, out[-3000:]
     err = [l for l in out.splitlines() if l.startswith("error:")]
     assert err and "actor 'reward' failed 2 times" in err[0] and "fault.max_restarts=1" in err[0], out[-3000:]
-    assert "last error: actor 'reward' failed" in err[0] and "Killed(sig=9)" in out, out[-3000:]
+    # the second kill is seen as the process's death or, on a loaded machine, as the call's missed deadline
+    assert re.search(r"last error: actor 'reward' (failed|did not answer)", err[0]), out[-3000:]
+    assert "Killed(sig=9)" in out, out[-3000:]
     assert "checkpoints and metrics written so far are intact" in out
     rows = run.rows()
     assert len(rows) >= 3 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
