@@ -171,7 +171,7 @@ class Controller:
         self.restarts = {"generator": 0, "reward": 0, "reference": 0}
         self.skipped_batches = self.bad_in_a_row = self.checkpoint_failures = 0  # bad_in_a_row: skips in a row
         self.ref_digest = ""
-        self.tokenizer_files: dict = {}  # for final/, from a replica at the start (at the end one may be generating)
+        self.tokenizer_files: dict = {}  # for final/, from a replica at the start (no later call)
 
     async def _set(self, **attrs: Any) -> None:
         """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
