@@ -17,7 +17,10 @@ and submitit's interrupt helper sends ``SIGTERM`` + ``USR2``; on rank 0 submitit
 :meth:`NodeTask.checkpoint` and ``scontrol requeue``s the job. The requeued job keeps its id, so it
 resumes from the newest ``<run>/checkpoints/step_N`` (metrics continue at step N+1), as after a plain
 ``scontrol requeue`` or a preemption with ``PreemptMode=REQUEUE``. Failures end the allocation: srun
-runs with ``--kill-on-bad-exit=1``, so when rank 0 fails the other tasks are killed at once.
+runs with ``--kill-on-bad-exit=1``, so when rank 0 fails the other tasks are killed at once, and with
+``SLURM_WAIT`` (srun's ``--wait``: 60 s more than rank 0's wait for a requeue; a profile's setup line
+may export another), so tasks that outlive the first one to end (a worker that the controller could not
+shut down) are killed that many seconds later instead of holding the nodes until the time limit.
 
 Secrets (:data:`launch.common.SECRETS`) never enter SLURM's state: sbatch runs without them, with
 ``--export`` naming the other variables, and :func:`submit` writes them to :func:`secrets_file`
@@ -369,7 +372,8 @@ def sbatch_script(spec: JobSpec) -> str:
     opts = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}"
             for k, v in sorted(spec.sbatch.items())]
     setup = [f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}",
-             f"export FORGE_MONARCH_PORT={spec.profile.monarch_port}", *spec.profile.setup]
+             f"export FORGE_MONARCH_PORT={spec.profile.monarch_port}",
+             f"export SLURM_WAIT={int(NodeTask.preempt_grace_s) + 60}", *spec.profile.setup]
     cpus = [f"--cpus-per-task={spec.profile.cpus_per_task}"] if spec.profile.cpus_per_task else []
     srun = shlex.join(["srun", "--unbuffered", "--output", f"{spec.folder}/%j_%t_log.out", "--error",
                        f"{spec.folder}/%j_%t_log.err", "--kill-on-bad-exit=1", "--export=ALL", *cpus])

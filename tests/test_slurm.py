@@ -46,11 +46,11 @@ def test_dry_run_prints_config_and_exact_script_and_submits_nothing(tmp_path):
     cfg_part = out.split("#!/bin/bash")[0]
     assert "  nodes: 2\n" in cfg_part and "generator:\n    host: 1" in cfg_part
     # the sbatch script: one task per node, requeue-able, USR2 before the time limit, srun kills
-    # the other tasks when one fails; logs and pickles in <output_dir>/<job id>/slurm
+    # the other tasks when one fails or 180 s after one ends; logs and pickles in <output_dir>/<job id>/slurm
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=dev",
                  "#SBATCH --requeue", "#SBATCH --signal=USR2@60", "#SBATCH --time=30",
                  f"#SBATCH --output={tmp_path}/runs/%j/slurm/%j_0_log.out", "export OMP_NUM_THREADS=1",
-                 "--kill-on-bad-exit=1", "-m submitit.core._submit"):
+                 "export SLURM_WAIT=180", "--kill-on-bad-exit=1", "-m submitit.core._submit"):
         assert line in out, line
     assert "NodeTask(recipe=" in out and "'layout.nodes=2'" in out
     assert "nothing submitted" in out

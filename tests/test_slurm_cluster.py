@@ -40,6 +40,17 @@ if os.environ.get("SLURM_NODEID") == "1" and "submitit.core._submit" in sys.orig
     while True:
         time.sleep(3600)
 """
+# Another for a profile's setup: the task on node 1 outlives node 0's (as a worker the controller could
+# not shut down would): after its worker returns, it ignores SIGTERM and sleeps.
+OUTLIVE_NODE1 = """import atexit, os, signal, sys, time
+def _outlive():
+    print("[test] node 1 outlives node 0", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(3600)
+if os.environ.get("SLURM_NODEID") == "1" and "submitit.core._submit" in sys.orig_argv:
+    atexit.register(_outlive)
+"""
 # The embedded recipe, tiny: 12 steps, a checkpoint every 3, the generator on node 1 (2nd node).
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
         "generator.max_response_tokens=8", "trainer.micro_batch_size=4", "steps=12", "checkpoint.every=3",
@@ -336,6 +347,28 @@ def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
     assert p.returncode == 0 and "removed its secrets file" in p.stdout, p.stdout + p.stderr
     assert not (SECRETS_DIR / f"{rec['job_id']}.json").exists()
     work.joinpath("deadworker.json").write_text(json.dumps(rec))
+
+
+def test_a_task_that_outlives_node_0_is_ended_by_srun_wait(work):
+    """srun's --wait (SLURM_WAIT, here 20 s from the profile's setup) ends a worker node's task that
+    is still there after node 0's ended, instead of leaving it until the job's time limit (10 min)."""
+    d = work / "outlive_node1"
+    d.mkdir(exist_ok=True)
+    (d / "sitecustomize.py").write_text(OUTLIVE_NODE1)
+    prof = work / "outlive.yaml"
+    prof.write_text(f"partition: dev\ncpus_per_task: 1\ntime_min: 10\n"
+                    f"setup:\n  - export PYTHONPATH={d}:$PYTHONPATH\n  - export SLURM_WAIT=20\n")
+    rec = _submit(work, "outlive", "--cluster", str(prof), *[a for a in TINY if not a.startswith("steps=")],
+                  "steps=2")
+    out1 = Path(rec["folder"]) / f"{rec['job_id']}_1_log.out"
+    _wait(lambda: out1.exists() and "[test] node 1 outlives node 0" in out1.read_text(), 300,
+          "node 1's task to outlive node 0's")
+    t_outlive = time.time()
+    state = _wait_done(rec, 150)
+    FIGURES["outliving_task_ended_after_s"] = time.time() - t_outlive
+    assert state != "TIMEOUT" and time.time() - t_outlive < 20 + 90, (state, time.time() - t_outlive)
+    assert len(_rows(rec["run_dir"])) == 2 and "Job completed successfully" in _logs(rec), _logs(rec)
+    assert rec["job_id"] not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
 
 
 # --------------------------------------------------------------------------- secrets
