@@ -82,6 +82,8 @@ def redacted_yaml(task) -> str:
 
     cfg = task.to_yaml_config()
     cfg.pop("_user_specified_yaml", None)
+    if isinstance(res := cfg.get("resources"), dict) and isinstance(res.get("any_of"), list):
+        res["any_of"].sort(key=repr)  # SkyPilot keeps them in a set: printed in one order, every time
     sec = cfg.get("secrets")
     if isinstance(sec, dict):
         cfg["secrets"] = {k: ("<redacted>" if v else v) for k, v in sec.items()}

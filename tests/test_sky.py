@@ -282,6 +282,20 @@ def test_sky_cli_applies_the_recipe_policy(tmp_path):
     assert "[forge] recipe recipes/my_exp (from the task file recipes/my_exp/sky.yaml)" in out, out[-3000:]
 
 
+def test_dry_run_prints_any_of_resources_in_one_order(monkeypatch):
+    """SkyPilot keeps a task's ``any_of`` resources in a set; the dry run prints them sorted, so two
+    dry runs of one task file print the same text."""
+    task = ls.parse_task(ls.task_config(str(recipe_file("qwen3_1_7b")), "recipes/qwen3_1_7b"), {})
+    cfg = task.to_yaml_config()
+    assert len(cfg["resources"]["any_of"]) == 2
+    printed = set()
+    for order in (list, reversed):
+        monkeypatch.setattr(task, "to_yaml_config",
+                            lambda o=order: {**cfg, "resources": {"any_of": list(o(cfg["resources"]["any_of"]))}})
+        printed.add(ls.redacted_yaml(task))
+    assert len(printed) == 1, printed
+
+
 def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
     monkeypatch.setenv("WANDB_API_KEY", "")
