@@ -237,12 +237,32 @@ def worker_address(cluster: Cluster) -> str:
     return f"tcp://{node_address(cluster)}:{cluster.port}"
 
 
+class PortInUse(OSError):
+    """This node's worker port is already listened on (another run's worker on this node?)."""
+
+
+def check_port_free(cluster: Cluster) -> None:
+    """Raise :class:`PortInUse`, naming this node's address, the port and how to pick another, when
+    something listens on the worker port here: a worker that cannot bind it dies, and the controller
+    would attach to whatever listens there. Raises OSError when this node's address cannot be found."""
+    host = node_address(cluster)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the worker's own bind: TIME_WAIT is no use
+        try:
+            s.bind((host, cluster.port))
+        except OSError as e:
+            raise PortInUse(f"Monarch worker port {cluster.port} on {host} is taken ({e.strerror}; another run's "
+                            f"worker on this node?): set another with monarch_port in the SLURM profile, or "
+                            f"{PORT_ENV}") from None
+
+
 def run_worker(cluster: Cluster) -> None:
     """Run this node's Monarch worker; returns when the controller shuts the host mesh down (if it
-    disconnects without that, the worker waits for a new one). Raises OSError when this node's address
-    cannot be found; Monarch raises (or panics) when it cannot be bound, e.g. the port is taken."""
+    disconnects without that, the worker waits for a new one). Raises :class:`PortInUse` when its port
+    is taken here, OSError when this node's address cannot be found."""
     from monarch.actor import run_worker_loop_until_shutdown
 
+    check_port_free(cluster)
     run_worker_loop_until_shutdown(address=worker_address(cluster), ca=TRUST_ALL)
 
 
@@ -271,7 +291,9 @@ def start_worker_background(cluster: Cluster) -> subprocess.Popen:
     """Start this node's worker (``python -m launch.bootstrap worker --host MY_IP --port PORT``, the
     repository root on PYTHONPATH) in a child process that gets SIGTERM when this process dies
     (PR_SET_PDEATHSIG); :func:`stop` ends it. Returns at once (the worker needs about 1-2 s to import
-    Monarch; :func:`attach` waits for it). Raises OSError when the interpreter cannot be started."""
+    Monarch; :func:`attach` waits for it). Raises :class:`PortInUse` when the worker port is taken here,
+    OSError when the interpreter cannot be started."""
+    check_port_free(cluster)
     host = node_address(cluster)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}

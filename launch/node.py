@@ -38,6 +38,7 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
     Raises:
         ConfigError / PreflightError: bad recipe, or ``layout.nodes`` != the allocation's nodes.
         bootstrap.WorkerUnreachable: a worker was not up within the timeout (names its address).
+        bootstrap.PortInUse: this node's worker port is taken (names address and port).
     """
     cluster = bootstrap.CLUSTER_FROM[source]()
     # the address the other nodes reach this one at (the worker's): where its actors listen for
@@ -68,7 +69,8 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run this node's part; returns the exit code (2: config/pre-flight error, 3: workers unreachable)."""
+    """Run this node's part; returns the exit code (2: config/pre-flight error, 3: workers unreachable
+    or this node's worker port taken)."""
     p = argparse.ArgumentParser(prog="python -m launch.node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
@@ -83,9 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run_node(a.source, a.recipe, a.overrides, a.attach_timeout)
         return 0
-    except (ConfigError, PreflightError, bootstrap.WorkerUnreachable) as e:
+    except (ConfigError, PreflightError, bootstrap.WorkerUnreachable, bootstrap.PortInUse) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 3 if isinstance(e, bootstrap.WorkerUnreachable) else 2
+        return 2 if isinstance(e, (ConfigError, PreflightError)) else 3
 
 
 if __name__ == "__main__":

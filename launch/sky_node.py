@@ -136,14 +136,18 @@ def resolve_recipe(nodes: int, gpus_per_node: int, overrides: Sequence[str] = ()
 def run_worker_node(cluster, timeout_s: float, grace_s: float = 30.0, poll_s: float = 3.0) -> int:
     """Run this node's Monarch worker until node 0 shuts the mesh down (returns its exit code).
 
-    Exits 3, naming node 0's address, when node 0's worker port does not open within
-    ``timeout_s`` seconds, or closes and this worker has not been shut down ``grace_s`` seconds
-    later (the controller died): the worker process is terminated first.
+    Exits 3 when this node's worker port is taken; or, naming node 0's address, when node 0's worker
+    port does not open within ``timeout_s`` seconds, or closes and this worker has not been shut down
+    ``grace_s`` seconds later (the controller died): the worker process is terminated first.
     """
     from launch import bootstrap
 
     head, port = cluster.hosts[0], cluster.port
-    proc = bootstrap.start_worker_background(cluster)
+    try:
+        proc = bootstrap.start_worker_background(cluster)
+    except bootstrap.PortInUse as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     deadline, seen, gone_since = time.monotonic() + timeout_s, False, None
     try:
         while (rc := proc.poll()) is None:

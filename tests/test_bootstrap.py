@@ -247,6 +247,25 @@ def test_two_loopback_hosts_one_mesh(tmp_path):
         assert f"[bootstrap] worker tcp://{ip}:{port} (node {rank}/2)" in log, log[-2000:]
 
 
+def test_a_taken_worker_port_stops_node_0_naming_it(tmp_path):
+    """Something listens on the worker port here (another run's worker on this node): node 0 stops
+    at once, naming address and port. Its worker could not bind the port, and the controller would
+    have attached to whatever listens there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(bs.PortInUse, match=f"Monarch worker port {port} on 127.0.0.1 is taken"):
+            bs.start_worker_background(bs.Cluster(node_rank=0, hosts=["127.0.0.1"], port=port))
+        env = {**_env(), "SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1", "FORGE_MONARCH_PORT": str(port)}
+        p = subprocess.run([PY, "-m", "launch.node", "--from", "sky", "--attach-timeout", "20", "smollm2_135m",
+                            "model.name=tiny_llama", f"output_dir={tmp_path}"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and f"error: Monarch worker port {port} on 127.0.0.1 is taken" in p.stderr, p.stderr
+    assert "monarch_port in the SLURM profile" in p.stderr and not os.listdir(tmp_path)  # no run started
+    bs.check_port_free(bs.Cluster(node_rank=0, hosts=["127.0.0.1"], port=port))  # closed: free again
+
+
 def test_actors_report_the_launchers_node_address():
     """A multi-node launcher sets FORGE_NODE_ADDR to its Monarch worker's address (launch.node): the
     actors' ``addr``, where weight transfers connect, is that one, not the first of ``hostname -I``
