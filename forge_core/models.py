@@ -231,8 +231,8 @@ def spec_of(name: str) -> ModelSpec:
 
 
 def load_tokenizer(cfg: Any):
-    """The tokenizer of ``cfg.path`` if set, else of ``cfg.name`` (pad token set, left padding for
-    generation).
+    """The tokenizer of ``cfg.name``, read from ``cfg.path`` when set (a test model borrows another
+    model's tokenizer, ``tokenizer_from``), with the pad token set and left padding for generation.
 
     A random-init model (``model.init=random``) whose own tokenizer cannot be reached (no hub
     access, no local copy) falls back to SmolLM2's tokenizer, with a warning: its 49,152 ids lie
@@ -241,10 +241,11 @@ def load_tokenizer(cfg: Any):
     from transformers import AutoTokenizer
 
     src_name = spec_of(cfg.name).tokenizer_from or cfg.name
+    own_path = getattr(cfg, "path", "") if src_name == cfg.name else ""  # a borrowed tokenizer is never there
     smol = os.path.join(cache_dir(), "smollm2_135m-hf")  # its tokenizer files alone suffice here
     smol = smol if os.path.isfile(os.path.join(smol, "tokenizer.json")) else None
     try:
-        src = smol if src_name == "smollm2_135m" and smol and not getattr(cfg, "path", "") else \
+        src = smol if src_name == "smollm2_135m" and smol and not own_path else \
             _hf_source(cfg if src_name == cfg.name else ModelConfig(src_name))
         tok = AutoTokenizer.from_pretrained(src)
     except (ModelSourceError, OSError, ValueError) as e:
