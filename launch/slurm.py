@@ -467,8 +467,10 @@ ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEU
           "SUSPENDED", "STAGE_OUT", "SIGNALING", "PREEMPTED", "REQUEUE_FED")
 
 
-def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, poll_s: float = 1.0) -> None:
-    """Print task ``task``'s stdout and stderr logs; with ``follow``, keep printing until the job ends."""
+def follow_logs(rec: dict, task: int = 0, follow: bool = True) -> None:
+    """Print task ``task``'s stdout and stderr logs; with ``follow``, keep printing (every second)
+    until the job ends."""
+    out = sys.stdout
     jid = rec["job_id"]
     if not (folder := rec.get("folder")):
         raise SlurmError(f"job {jid} was not submitted from here: its log folder is unknown")
@@ -484,7 +486,7 @@ def follow_logs(rec: dict, task: int = 0, follow: bool = True, out=sys.stdout, p
             out.flush()
         if not follow or (show_job(jid).get("JobState") or "DONE") not in ACTIVE:
             break
-        time.sleep(poll_s)
+        time.sleep(1.0)
 
 
 def cancel(job_id: str) -> str:
