@@ -193,7 +193,8 @@ def _cluster(env: Mapping[str, str], names: Sequence[str], rank: int, port: int 
 def cluster_from_slurm(env: Mapping[str, str] | None = None, port: int | None = None) -> Cluster:
     """The Cluster of the current SLURM job step (one task per node; with more, only local rank 0
     should run a worker): ``SLURM_NODEID`` and ``SLURM_STEP_NODELIST``, ``SLURM_JOB_NODELIST`` or
-    ``SLURM_NODELIST`` (:func:`expand_nodelist`, names resolved to IPv4); the port is ``port``, else
+    ``SLURM_NODELIST`` (:func:`expand_nodelist`, names resolved to IPv4; slurmd sets ``SLURM_NODEID``
+    to this node's index in the step's node list, the order it expands to); the port is ``port``, else
     ``$FORGE_MONARCH_PORT``, else 26600. Raises KeyError when not inside a SLURM job, OSError when a
     node name does not resolve."""
     env = os.environ if env is None else env
