@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from forge_core import SECRETS
 from forge_core.data import DataConfig
 from forge_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from forge_core.losses import LOSS_CONFIGS, LossConfig, validate_loss
@@ -244,7 +246,20 @@ def register() -> None:
         cs.store(group="loss", name=name, node=cls)
 
 
+def _leaves(d: dict, pre: str = ""):
+    """``(dotted key, value)`` of every leaf of a nested dict (a list is one leaf)."""
+    for k, v in d.items():
+        yield from _leaves(v, f"{pre}{k}.") if isinstance(v, dict) else [(pre + k, v)]
+
+
 def _check(cfg: DictConfig, where: str) -> None:
+    held = {n: v for n in SECRETS if len(v := os.environ.get(n, "")) >= 6}  # a shorter value is too common
+    for key, v in _leaves(OmegaConf.to_container(cfg)):
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, list) else [v])):
+            raise ConfigError(f"{where}: {key}={v} must be a finite number")
+        if name := next((n for n, s in held.items() if s in str(v)), None):  # e.g. through ${oc.env:...}
+            raise ConfigError(f"{where}: {key} holds the value of ${name}: secrets reach the run through the "
+                              f"environment only, never through its config (saved with the run)")
     dtypes = ("bfloat16", "float32", "auto")
     choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
                "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
@@ -310,9 +325,7 @@ def _check(cfg: DictConfig, where: str) -> None:
 
 def _did_you_mean(key: str) -> str:
     """`` (did you mean 'trainer.lr'?)``: the schema's closest dotted key to ``key`` (any loss's), or ''."""
-    def flat(d: dict, pre: str = "") -> list[str]:
-        return [k2 for k, v in d.items() for k2 in (flat(v, f"{pre}{k}.") if isinstance(v, dict) else [pre + k])]
-    keys = flat(OmegaConf.to_container(OmegaConf.structured(Config)))
+    keys = [k for k, _ in _leaves(OmegaConf.to_container(OmegaConf.structured(Config)))]
     keys += [f"loss.{f.name}" for c in LOSS_CONFIGS.values() for f in dataclasses.fields(c)]
     near = difflib.get_close_matches(key, keys, n=1)
     return f" (did you mean {near[0]!r}?)" if near else ""

@@ -353,6 +353,10 @@ def validate_loss(cfg: Any) -> None:
     for field in ("beta", *clips):
         if not float(getattr(cfg, field)) >= 0.0:
             raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)!r}")
+    if clips and not cfg.clip_low <= 1:  # the ratio's lower bound is 1 - clip_low (1: none, as CISPO's default)
+        raise ValueError(f"clip_low must be <= 1 (the ratio is clipped below at 1 - clip_low), got {cfg.clip_low!r}")
+    if cfg.horizon is not None and not cfg.horizon > 0:
+        raise ValueError(f"horizon must be > 0 (or None: the batch's longest response), got {cfg.horizon!r}")
     if name in ("grpo", "dr_grpo", "dapo") and cfg.dual_clip is not None and not float(cfg.dual_clip) > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {cfg.dual_clip!r}")
     if name == "sapo":

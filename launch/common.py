@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import socket
 
-# Environment variables whose values no launcher writes down (scripts, pickles, configs, logs):
-# SLURM hands them to the job through a private file, SkyPilot through ``--secret``.
-SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+from forge_core import SECRETS  # noqa: F401  (the one list, re-exported for the launchers)
 
 
 def port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:

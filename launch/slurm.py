@@ -38,6 +38,7 @@ import contextlib
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import shlex
@@ -83,8 +84,9 @@ class Profile:
         max_requeues_on_timeout: requeues after hitting the time limit (preemptions do not count).
         attach_timeout_s: seconds rank 0 waits for every node's Monarch worker (then fails, naming them).
         monarch_port: TCP port of the Monarch worker on every node.
-        sbatch: extra sbatch options ``{option: value}`` (``true``: a flag), e.g. ``{reservation: foo}``;
-            not ``export`` (the launcher's own: a profile's would be overridden, so it is refused).
+        sbatch: extra sbatch options ``{option: value}`` (``true``: a flag; ``false``: not set), e.g.
+            ``{reservation: foo}``; not one the launcher or a profile key sets (refused: it would be
+            overridden).
     """
 
     partition: Optional[str] = None
@@ -118,8 +120,10 @@ def load_profile(name: str) -> tuple[Profile, Path]:
 
     Raises:
         SlurmError: the profile does not exist (lists the known ones), a key is unknown (names it,
-            with the closest known key), a value has the wrong type, a number is not > 0
-            (``max_requeues_on_timeout``: < 0), or ``sbatch`` sets ``export``.
+            with the closest known key), a value has the wrong type or a line break, a number is
+            not > 0 and finite (``max_requeues_on_timeout``: >= 0; ``monarch_port``: <= 65535),
+            ``signal_delay_s`` is not shorter than ``time_min``, or ``sbatch`` sets an option the
+            launcher or a profile key sets (``export``, ``nodes``, ``output``, ``partition``, ...).
     """
     import yaml
 
@@ -144,15 +148,34 @@ def load_profile(name: str) -> tuple[Profile, Path]:
         if value is not None and not (isinstance(value, want) and not (want != bool and isinstance(value, bool))):
             raise SlurmError(f"{path}: {key}={value!r} has the wrong type (expected {getattr(want, '__name__', want)})")
         zero_ok = key == "max_requeues_on_timeout"  # every other number (minutes, GB, CPUs, s, port): > 0
-        if want in (int, (int, float)) and value is not None and (value < 0 or (value == 0 and not zero_ok)):
-            raise SlurmError(f"{path}: {key}={value!r} is out of range (must be {'>= 0' if zero_ok else '> 0'})")
+        top = 65535 if key == "monarch_port" else math.inf
+        if want in (int, (int, float)) and value is not None and not (0 <= value <= top and value != math.inf
+                                                                      and (value or zero_ok)):
+            raise SlurmError(f"{path}: {key}={value!r} is out of range (must be {'>= 0' if zero_ok else '> 0'}"
+                             f"{', <= 65535' if top < math.inf else ', finite'})")
+        if isinstance(value, str) and "\n" in value:
+            raise SlurmError(f"{path}: {key} holds a line break, which would split its line of the sbatch script")
     prof = Profile(**{k: v for k, v in data.items() if v is not None})
     if not all(isinstance(line, str) for line in prof.setup):
         raise SlurmError(f"{path}: setup must be a list of shell lines (strings)")
-    if any(str(k).lstrip("-") in ("export", "export-file") for k in prof.sbatch):
+    if prof.signal_delay_s >= prof.time_min * 60:
+        raise SlurmError(f"{path}: signal_delay_s={prof.signal_delay_s} must be shorter than time_min={prof.time_min} "
+                         f"({prof.time_min * 60} s): the requeue signal would come before the job starts")
+    prof.sbatch = {str(k).lstrip("-"): v for k, v in prof.sbatch.items() if v is not False}  # false: not set
+    if any(k in ("export", "export-file") for k in prof.sbatch):
         raise SlurmError(f"{path}: sbatch.export is set by the launcher (the names of the variables a job needs, never "
                          f"a secret's value) and would be overridden; export other variables in setup: lines instead "
                          f"(e.g. 'export NCCL_DEBUG=WARN')")
+    owned = {"nodes": "the recipe's layout.nodes (or NODES=)"}
+    owned |= dict.fromkeys(("ntasks-per-node", "signal", "requeue", "output", "error", "open-mode", "chdir"),
+                           "the launcher: the requeue and the logs depend on it")
+    owned |= {f: f"the profile key {f.replace('-', '_').replace('mem', 'mem_gb').replace('time', 'time_min')}"
+              for f in ("partition", "account", "qos", "constraint", "cpus-per-task", "mem", "time", "exclusive")}
+    for k, v in prof.sbatch.items():
+        if k in owned:
+            raise SlurmError(f"{path}: sbatch.{k} is set by {owned[k]}, and would be overridden")
+        if not isinstance(v, (str, int, float)) or (isinstance(v, str) and "\n" in v):
+            raise SlurmError(f"{path}: sbatch.{k}={v!r} must be one line of text, a number or true")
     return prof, path
 
 
@@ -298,7 +321,8 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     Raises:
         ConfigError: bad recipe or override (names the key).
         SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES, a gated
-            model without HF_TOKEN (as ``make run`` and ``make sky``: before SLURM allocates anything).
+            model without HF_TOKEN (as ``make run`` and ``make sky``: before SLURM allocates anything),
+            a secret's value in the task's arguments.
     """
     from forge_core.config import load_config, recipe_dir
     from forge_core.models import gated_without_token
@@ -324,7 +348,7 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     folder = os.path.join(run_root, "%j", "slurm")
     n = int(cfg.layout.nodes)
     mem = None if prof.mem_gb is None else (f"{int(prof.mem_gb)}GB" if float(prof.mem_gb).is_integer()
-                                            else f"{int(prof.mem_gb * 1024)}MB")
+                                            else f"{math.ceil(prof.mem_gb * 1024)}MB")  # --mem=0: all of it
     sbatch = {"job-name": f"forge-{cfg.recipe}", "nodes": n, "ntasks-per-node": 1, "time": prof.time_min,
               "cpus-per-task": prof.cpus_per_task, "mem": mem, "gpus-per-node": int(cfg.layout.gpus_per_node) or None,
               "partition": prof.partition, "account": prof.account, "qos": prof.qos, "constraint": prof.constraint,
@@ -336,6 +360,7 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     if os.sep in python or python.startswith("~"):  # else a name found on the nodes
         python = str(ROOT / Path(python).expanduser())  # (an absolute path stays as it is)
     task = NodeTask(recipe_dir(recipe), overrides, prof.attach_timeout_s)
+    assert_no_secrets("the job's pickled arguments", repr(task))
     return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, python)
 
 
@@ -378,8 +403,10 @@ def sbatch_script(spec: JobSpec) -> str:
     srun = shlex.join(["srun", "--unbuffered", "--output", f"{spec.folder}/%j_%t_log.out", "--error",
                        f"{spec.folder}/%j_%t_log.err", "--kill-on-bad-exit=1", "--export=ALL", *cpus])
     run = f"{srun} {shlex.quote(spec.python)} -u -m submitit.core._submit {shlex.quote(spec.folder)}"
-    return "\n".join(["#!/bin/bash", "", "# Parameters", *opts, "", "# setup", *setup, "", "# command",
-                      "export SUBMITIT_EXECUTOR=slurm", run, ""])
+    script = "\n".join(["#!/bin/bash", "", "# Parameters", *opts, "", "# setup", *setup, "", "# command",
+                        "export SUBMITIT_EXECUTOR=slurm", run, ""])
+    assert_no_secrets("the sbatch script", script)  # a setup line, say (dry runs refuse it too)
+    return script
 
 
 def sbatch_env(secrets: bool) -> dict[str, str]:
@@ -398,8 +425,9 @@ def submit(spec: JobSpec) -> dict:
     Returns the job record (also saved as the last job).
 
     Raises:
-        SlurmError: a secret's value would be written down, sbatch is missing, or the nodes'
-            interpreter is missing or lacks vLLM for a vLLM recipe (:func:`node_python_problem`).
+        SlurmError: a secret's value would be written into the script (:func:`sbatch_script`), sbatch
+            is missing, or the nodes' interpreter is missing or lacks vLLM for a vLLM recipe
+            (:func:`node_python_problem`).
         subprocess.CalledProcessError: sbatch failed (its message in ``stderr``).
     """
     from submitit.helpers import DelayedSubmission
@@ -407,8 +435,6 @@ def submit(spec: JobSpec) -> dict:
     if why := node_python_problem(spec):
         raise SlurmError(why)
     script = sbatch_script(spec)
-    assert_no_secrets("the sbatch script", script)
-    assert_no_secrets("the job's pickled arguments", repr(spec.task))
     if not shutil.which("sbatch"):
         raise SlurmError("sbatch is not on PATH: submit from a host of the SLURM cluster")
     values = {k: os.environ[k] for k in SECRETS if os.environ.get(k)}
@@ -491,15 +517,18 @@ def follow_logs(rec: dict, task: int = 0, follow: bool = True) -> None:
 
 def cancel(job_id: str) -> str:
     """``scancel`` the job if it is still queued or running and delete its secrets file; returns
-    what happened. Raises SlurmError with scancel's message when it fails for a job SLURM still
-    knows (one it has forgotten, long ended, only loses its secrets file)."""
+    what happened. Raises SlurmError for a job id that is not one, and with scancel's message when it
+    fails for a job SLURM still knows or when SLURM cannot be reached (the file is kept: a running
+    job's requeue needs it); a job SLURM has forgotten (long ended) only loses its secrets file."""
+    if not re.fullmatch(r"\d+(_\d+)?", str(job_id)):
+        raise SlurmError(f"{job_id!r} is not a SLURM job id (digits; digits_digits for an array task)")
     state = show_job(job_id).get("JobState")
     if state is not None and state not in ACTIVE:
         done = f"job {job_id} already ended ({state}); nothing to cancel"
     else:
         p = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=30)
-        if p.returncode != 0 and state is not None:
-            raise SlurmError(f"scancel {job_id}: {p.stderr.strip()}")
+        if p.returncode != 0 and (state is not None or "Invalid job id" not in p.stderr):
+            raise SlurmError(f"scancel {job_id}: {p.stderr.strip()} (its secrets file is kept)")
         done = (f"cancelled job {job_id} (was {state or 'unknown'})" if p.returncode == 0 else
                 f"job {job_id} is not known to SLURM (scancel: {p.stderr.strip()}); nothing to cancel")
     path = secrets_file(str(job_id))
@@ -512,13 +541,14 @@ def cancel(job_id: str) -> str:
 def _print_dry_run(spec: JobSpec) -> None:
     from omegaconf import OmegaConf
 
+    script = sbatch_script(spec)  # first: it refuses a secret's value
     print(f"# recipe {spec.cfg.recipe}: resolved config (what node 0 runs)")
     print(OmegaConf.to_yaml(spec.cfg))
     env = sbatch_env(any(os.environ.get(k) for k in SECRETS))
     print(f"# submitted as: sbatch --parsable --export={','.join(sorted(env))} < SCRIPT\n#   (names only; "
           f"{', '.join(SECRETS)} reach the nodes through {secrets_file('%j')})")
     print(f"# sbatch script (profile {spec.profile_path}); %j is the job id")
-    print(sbatch_script(spec), end="")
+    print(script, end="")
     print(f"# every task (one per node) runs, from submitit's pickle in {spec.folder}:")
     print(f"#   {spec.task!r}")
     print("# dry run: nothing submitted")

@@ -54,6 +54,11 @@ def test_bad_override_names_the_key(override, key):
     ("trainer.max_grad_norm=-1", "trainer.max_grad_norm must be > 0"), ("trainer.tp=0", "trainer.tp must be > 0"),
     ("trainer.betas=[2,3]", "trainer.betas=[2.0, 3.0] must be two numbers in [0, 1)"), ("trainer.betas=[0.9]", "betas"),
     ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'"),
+    ("trainer.lr=inf", "trainer.lr=inf must be a finite number"), ("loss.beta=inf", "loss.beta=inf must be a finite"),
+    ("reward.format_weight=nan", "reward.format_weight=nan must be a finite number"),
+    ("trainer.betas=[0.9,nan]", "trainer.betas=[0.9, nan] must be a finite number"),
+    ("loss=dapo loss.clip_low=2", "loss=dapo: clip_low must be <= 1"),
+    ("loss.aggregation=fixed_horizon loss.horizon=0", "loss=grpo: horizon must be > 0 (or None"),
     ("buffer_capacity=15", "buffer_capacity=15 is smaller than one training batch (prompts_per_step x "
                            "generator.group_size = 16 episodes)")])
 def test_out_of_range_value_names_the_key(override, says):
@@ -62,6 +67,17 @@ def test_out_of_range_value_names_the_key(override, says):
     load_config("smollm2_135m", ["checkpoint.every=0", "fault.max_restarts=0", "generator.top_p=1.0", "trainer.lr=0",
                                  "reward.fn=forge_core.rewards:gsm8k_reward", "trainer.betas=[0,0.95]",
                                  "buffer_capacity=16"])
+
+
+def test_a_secrets_value_in_the_config_is_refused_naming_the_key(monkeypatch):
+    """The run saves its config: a value holding a secret's (typed in, or through ${oc.env:...}) is
+    refused, naming the key and the variable, never the value."""
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_test_SECRET456")
+    for value in ("wandb_test_SECRET456", "${oc.env:WANDB_API_KEY}", "team-wandb_test_SECRET456"):
+        with pytest.raises(ConfigError, match=r"wandb.project holds the value of \$WANDB_API_KEY") as e:
+            load_config("smollm2_135m", [f"wandb.project={value}"])
+        assert "SECRET456" not in str(e.value)
+    load_config("smollm2_135m", ["wandb.project=${oc.env:HOME}"])
 
 
 @pytest.mark.parametrize("override,says", [

@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from forge_core.config import ConfigError  # noqa: E402
 from launch import slurm  # noqa: E402
 
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
@@ -90,10 +91,11 @@ def test_profile_wrong_type_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["time_min: -5", "mem_gb: -1", "cpus_per_task: 0", "signal_delay_s: -1",
-                                  "attach_timeout_s: 0.0", "monarch_port: 0", "max_requeues_on_timeout: -1"])
+                                  "attach_timeout_s: 0.0", "monarch_port: 0", "max_requeues_on_timeout: -1",
+                                  "mem_gb: .nan", "mem_gb: .inf", "attach_timeout_s: .nan", "monarch_port: 700000"])
 def test_profile_value_out_of_range_is_named(tmp_path, text):
     key, value = text.split(": ")
-    with pytest.raises(slurm.SlurmError, match=rf"prof\.yaml: {key}={value} is out of range \(must be >"):
+    with pytest.raises(slurm.SlurmError, match=rf"prof\.yaml: {key}=\S+ is out of range \(must be >"):
         slurm.load_profile(_profile(tmp_path, f"partition: dev\n{text}\n"))
     assert slurm.load_profile(_profile(tmp_path, "max_requeues_on_timeout: 0\nmem_gb: 0.5\n"))[0].mem_gb == 0.5
 
@@ -104,6 +106,23 @@ def test_profile_sbatch_export_is_refused(tmp_path):
         with pytest.raises(slurm.SlurmError, match=r"sbatch.export is set by the launcher.*setup: lines"):
             slurm.load_profile(_profile(tmp_path, f"sbatch:\n  {key}: ALL\n"))
     assert slurm.load_profile(_profile(tmp_path, "sbatch:\n  reservation: r1\n"))[0].sbatch == {"reservation": "r1"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sbatch:\n  nodes: 5", r"sbatch.nodes is set by the recipe's layout.nodes"),
+    ("sbatch:\n  requeue: true", r"sbatch.requeue is set by the launcher"),
+    ("sbatch:\n  output: /dev/null", r"sbatch.output is set by the launcher"),
+    ("sbatch:\n  --mem: 4G", r"sbatch.mem is set by the profile key mem_gb"),
+    ("sbatch:\n  gres: [a, b]", r"sbatch.gres=\['a', 'b'\] must be one line of text, a number or true"),
+    ('partition: "dev\\n#SBATCH --uid=0"', r"partition holds a line break"),
+    ("time_min: 1\nsignal_delay_s: 3600", r"signal_delay_s=3600 must be shorter than time_min=1 \(60 s\)")])
+def test_profile_sbatch_options_the_launcher_sets_and_bad_lines_are_refused(tmp_path, text, message):
+    """An sbatch option the launcher or a profile key sets would be overridden (or break the requeue and
+    the logs); a value that is not one line would split the script's line."""
+    with pytest.raises(slurm.SlurmError, match=message):
+        slurm.load_profile(_profile(tmp_path, text + "\n"))
+    prof = slurm.load_profile(_profile(tmp_path, "sbatch:\n  --reservation: r1\n  exclusive-user: false\n"))[0]
+    assert prof.sbatch == {"reservation": "r1"}  # leading dashes dropped; false: not set
 
 
 def test_shipped_profiles_load():
@@ -209,6 +228,18 @@ def test_cancel_of_a_job_slurm_has_forgotten_still_removes_its_secrets_file(monk
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho JobId=4242 JobState=RUNNING\n")  # a known job: scancel's
     with pytest.raises(slurm.SlurmError, match="scancel 4242: scancel: error"):  # failure is an error
         slurm.cancel("4242")
+    # SLURM cannot be reached: no job state, and scancel fails for that reason; the file stays
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'fatal: Could not establish a configuration source' >&2; exit 1\n")
+    (bin_dir / "scancel").write_text("#!/bin/sh\necho 'scancel: fatal: Could not establish a configuration source' >&2; "
+                                     "exit 1\n")
+    f.write_text("{}")
+    with pytest.raises(slurm.SlurmError, match="configuration source .its secrets file is kept"):
+        slurm.cancel("4242")
+    assert f.exists()
+    (tmp_path / "victim.json").write_text("{}")  # not a job id: nothing is looked up or removed
+    with pytest.raises(slurm.SlurmError, match="is not a SLURM job id"):
+        slurm.cancel(os.path.relpath(tmp_path / "victim", f.parent))
+    assert (tmp_path / "victim.json").exists()
 
 
 def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
@@ -219,15 +250,19 @@ def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
     script = slurm.sbatch_script(spec)
     assert "SECRET" not in script and "SECRET" not in repr(spec.task)
     assert "SECRET" not in pickle.dumps(spec.task).decode("latin-1")
-    # a secret passed where it would be written down is refused before anything is submitted
-    spec = slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, "wandb.project=hf_test_SECRET123",
-                                                             f"output_dir={tmp_path}"])
-    with pytest.raises(slurm.SlurmError, match=r"\$HF_TOKEN would be written"):
-        slurm.submit(spec)
+    # a secret passed where it would be written down is refused before anything is submitted, also
+    # through an interpolation, and by a dry run too (which builds the job and its script)
+    for value in ("hf_test_SECRET123", "${oc.env:HF_TOKEN}"):
+        with pytest.raises(ConfigError, match=r"wandb.project holds the value of \$HF_TOKEN"):
+            slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, f"wandb.project={value}", f"output_dir={tmp_path}"])
     prof = _profile(tmp_path, "setup:\n  - export WANDB_API_KEY=wandb_test_SECRET456\n")
     spec = slurm.build_job("smollm2_135m", prof, overrides=[*TINY, f"output_dir={tmp_path}"])
     with pytest.raises(slurm.SlurmError, match=r"\$WANDB_API_KEY would be written into the sbatch script"):
-        slurm.submit(spec)
+        slurm.sbatch_script(spec)
+    r = _cli("submit", "smollm2_135m", "--cluster", str(prof), "--dry-run", *TINY, f"output_dir={tmp_path}",
+             env={"WANDB_API_KEY": "wandb_test_SECRET456"})
+    assert r.returncode == 2 and not r.stdout and "would be written into the sbatch script" in r.stderr, r.stderr
+    assert "wandb_test_SECRET456" not in r.stderr
 
 
 def test_submit_exports_names_only_and_hands_secrets_over_in_a_private_file(monkeypatch, tmp_path):
