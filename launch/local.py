@@ -28,7 +28,7 @@ def preflight(cfg: Any) -> None:
     """Fail fast, naming every reason, if the recipe cannot run on this machine.
 
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
-    model from the hub needs hub access (or ``model.path`` = a local dir, which must exist); a gated
+    model from the hub needs hub access (or ``model.path`` = a local HF-format dir with a config.json); a gated
     model needs ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``,
     a directory with ``train.jsonl``).
     Raises:
@@ -50,7 +50,10 @@ def preflight(cfg: Any) -> None:
     random_ok = cfg.model.init == "random" and spec.arch
     if (spec.source == "hf" or cfg.model.path) and spec.config is None and not random_ok:
         path = cfg.model.path or spec.path
-        if path.startswith(("/", ".")) and not os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            reasons.append(f"model.path={path} has no config.json: not an HF-format checkpoint directory "
+                           f"(config.json, the weights, the tokenizer's files)")
+        elif path.startswith(("/", ".")) and not os.path.isdir(path):
             reasons.append(f"model.path={path} is not a directory")
         elif not os.path.isdir(path):
             if gated := gated_without_token(cfg.model):

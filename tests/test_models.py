@@ -38,7 +38,8 @@ def test_smollm2_loads_and_generates():
 
 def test_model_path_replaces_the_packaged_smollm2(tmp_path):
     """model.path names an HF-format directory whose weights and tokenizer are loaded instead of the
-    packaged GGUF and the cached tokenizer; the preflight refuses a path that does not exist, and a data.dir without train.jsonl, naming each."""
+    packaged GGUF and the cached tokenizer; the preflight refuses a path that does not exist or has no
+    config.json, and a data.dir without train.jsonl, naming each."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -65,6 +66,9 @@ def test_model_path_replaces_the_packaged_smollm2(tmp_path):
         preflight(load_config("smollm2_135m", ["model.path=/nonexistent/smollm2", f"data.dir={tmp_path}"]))
     assert "model.path=/nonexistent/smollm2 is not a directory" in str(e.value)
     assert f"data.dir={tmp_path} (GSM8K_DIR) has no train.jsonl" in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match=f"model.path={tmp_path / 'empty'} has no config.json"):
+        preflight(load_config("smollm2_135m", [f"model.path={tmp_path / 'empty'}"]))
 
 
 def test_response_logprobs_match_a_plain_forward():

@@ -229,9 +229,9 @@ def test_cancel_of_a_job_slurm_has_forgotten_still_removes_its_secrets_file(monk
     with pytest.raises(slurm.SlurmError, match="scancel 4242: scancel: error"):  # failure is an error
         slurm.cancel("4242")
     # SLURM cannot be reached: no job state, and scancel fails for that reason; the file stays
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'fatal: Could not establish a configuration source' >&2; exit 1\n")
-    (bin_dir / "scancel").write_text("#!/bin/sh\necho 'scancel: fatal: Could not establish a configuration source' >&2; "
-                                     "exit 1\n")
+    for cmd in ("scontrol", "scancel"):
+        (bin_dir / cmd).write_text(f"#!/bin/sh\necho '{cmd}: fatal: Could not establish a configuration source' >&2\n"
+                                   f"exit 1\n")
     f.write_text("{}")
     with pytest.raises(slurm.SlurmError, match="configuration source .its secrets file is kept"):
         slurm.cancel("4242")
@@ -254,7 +254,8 @@ def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
     # through an interpolation, and by a dry run too (which builds the job and its script)
     for value in ("hf_test_SECRET123", "${oc.env:HF_TOKEN}"):
         with pytest.raises(ConfigError, match=r"wandb.project holds the value of \$HF_TOKEN"):
-            slurm.build_job("smollm2_135m", "dev", overrides=[*TINY, f"wandb.project={value}", f"output_dir={tmp_path}"])
+            slurm.build_job("smollm2_135m", "dev",
+                            overrides=[*TINY, f"wandb.project={value}", f"output_dir={tmp_path}"])
     prof = _profile(tmp_path, "setup:\n  - export WANDB_API_KEY=wandb_test_SECRET456\n")
     spec = slurm.build_job("smollm2_135m", prof, overrides=[*TINY, f"output_dir={tmp_path}"])
     with pytest.raises(slurm.SlurmError, match=r"\$WANDB_API_KEY would be written into the sbatch script"):
