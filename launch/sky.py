@@ -140,6 +140,9 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
         task = parse_task(tcfg, secrets)
         if mismatch := layout_mismatch(task, cfg, yaml_path, forge_args):
             raise SkyError(mismatch)
+        if os.path.isabs(rel):
+            raise SkyError(f"recipe folder {folder} is outside the repository ({ROOT}), which is all the cluster "
+                           f"gets (workdir: .): copy the folder under recipes/")
     except (SkyError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

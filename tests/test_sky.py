@@ -395,8 +395,15 @@ def test_task_that_does_not_ask_for_the_layout_is_refused(monkeypatch, tmp_path,
         assert ls.main(["launch", str(folder), "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert f"{folder}/sky.yaml does not ask for the recipe's layout: " in err and msg in err, err
-    (folder / "sky.yaml").write_text(text.replace("H100:3", "H100:8"))  # more GPUs than the layout uses: fine
-    assert ls.main(["launch", str(folder), "--dry-run"]) == 0, capsys.readouterr().err
+    (folder / "sky.yaml").write_text(text.replace("H100:3", "H100:8"))  # more GPUs than the layout uses: fine,
+    assert ls.main(["launch", str(folder), "--dry-run"]) == 2  # but the cluster gets the repository alone:
+    assert f"recipe folder {folder} is outside the repository" in capsys.readouterr().err  # a copy goes in recipes/
+    inside = ROOT / "recipes" / f"_test_sky_{os.getpid()}"
+    try:
+        shutil.copytree(folder, inside)
+        assert ls.main(["launch", str(inside), "--dry-run"]) == 0, capsys.readouterr().err
+    finally:
+        shutil.rmtree(inside, ignore_errors=True)
 
 
 def test_gated_model_without_token_fails_at_launch(monkeypatch, capsys):
