@@ -375,8 +375,12 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
         with open_dict(cfg):
             cfg.recipe = os.path.basename(d)
         OmegaConf.resolve(cfg)
-    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:  # YAMLError: not YAML, a duplicate key
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # YAMLError: not YAML, a
+        # duplicate key; ValueError: a group override that is no name (loss=5, =5), a file that is not UTF-8
         msg = " ".join(str(x).strip() for x in (e, e.__cause__) if x).replace("\n", " ")
+        where += " + overrides" if overrides and "override" in msg else ""
         if (key := re.search(r"full_key: (\S+)", msg)) and re.search(r"Could not override|Key '\w+' not in", msg):
             o = next((o for o in overrides if f"{o.partition('=')[0]}.".startswith(f"{key[1]}.")), "")
             k = o.partition("=")[0] or key[1]

@@ -33,7 +33,9 @@ def test_overrides_and_loss_selection():
 @pytest.mark.parametrize("override,key", [("trainer.lrr=1", "trainer.lrr"), ("stepz=3", "stepz"),
                                            ("generator.group_size=abc", "generator.group_size"),
                                            ("loss=nope", "loss/nope"), ("generator.backend=tgi", "generator.backend"),
-                                           ("layout.trainer.host=3", "layout.trainer.host")])
+                                           ("layout.trainer.host=3", "layout.trainer.host"),
+                                           ("=5", "+ overrides: Config group override must be a string"),
+                                           ("loss=5", "+ overrides: Config group override must be a string")])
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config("smollm2_135m", [override])
@@ -103,8 +105,11 @@ def test_misspelled_key_in_recipe_file(tmp_path):
     assert "did you mean 'trainer.lr'?" in str(e.value)
     for bad, says in (("trainer:\n  lr: [1e-5\n", "line 2"), ("steps: 3\nsteps: 4\n", "duplicate key steps"),
                       ("steps: 3\n", "must start with 'defaults: \\[base, _self_\\]'"),
-                      ("defaults: [base, _self_]\nloss: dapo\n", "override loss: dapo")):
-        (d / "config.yaml").write_text(bad)  # not YAML: a ConfigError naming the file and where, no traceback
+                      ("defaults: [base, _self_]\nloss: dapo\n", "override loss: dapo"),
+                      ("defaults: base\n", "defaults must be a list"),
+                      ("defaults: [base, _self_]\nsteps: 3 # \udcff\n", "'utf-8' codec can't decode byte 0xff")):
+        # not YAML, not UTF-8: a ConfigError naming the file and where, no traceback
+        (d / "config.yaml").write_text(bad, errors="surrogateescape")
         with pytest.raises(ConfigError, match=f"{re.escape(str(d / 'config.yaml'))}: .*{says}"):
             load_config(str(d))
 
