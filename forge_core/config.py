@@ -275,10 +275,12 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
                 "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
                 "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size", "trainer.max_grad_norm",
-                "trainer.tp", "layout.nodes", "fault.startup_timeout_s")
+                "trainer.tp", "layout.nodes", "fault.startup_timeout_s", "layout.generator.replicas",
+                "layout.generator.tp")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
-                    "advantage.eps", "advantage.max_refills", "layout.gpus_per_node")
+                    "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.trainer.gpus",
+                    "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host")
     fractions = ("generator.top_p", "generator.gpu_memory_utilization")
     for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                            (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):
@@ -308,8 +310,12 @@ def _check(cfg: DictConfig, where: str) -> None:
                           f"{'vllm' if cfg.device == 'cuda' else 'hf'} (got {cfg.generator.backend!r})")
     from forge_core.layout import LayoutError, plan_layout
     from forge_core.models import hf_config_dict
+    hf = hf_config_dict(cfg.model.name)
+    if seq > hf.get("max_position_embeddings", seq):
+        raise ConfigError(f"{where}: generator.max_prompt_tokens + max_response_tokens = {seq} is more than "
+                          f"{cfg.model.name}'s {hf['max_position_embeddings']} positions (max_position_embeddings)")
     try:
-        plan = plan_layout(cfg, hf_config_dict(cfg.model.name).get("num_attention_heads"))
+        plan = plan_layout(cfg, hf.get("num_attention_heads"))
     except (LayoutError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
     if plan.colocated and cfg.max_staleness != 0 and cfg.generator.sleep_level != 0:
@@ -328,6 +334,11 @@ def _did_you_mean(key: str) -> str:
     keys = [k for k, _ in _leaves(OmegaConf.to_container(OmegaConf.structured(Config)))]
     keys += [f"loss.{f.name}" for c in LOSS_CONFIGS.values() for f in dataclasses.fields(c)]
     near = difflib.get_close_matches(key, keys, n=1)
+    if near == [key]:  # a schema key all the same: another loss's parameter, or `defaults`
+        field_ = key.removeprefix("loss.")
+        owners = [n for n, c in LOSS_CONFIGS.items() if field_ in {f.name for f in dataclasses.fields(c)}]
+        return (f" (a parameter of loss={' or '.join(owners)}: select it too, e.g. loss={owners[0]} {key}=...)"
+                if owners else " (it is set in a recipe's config.yaml, not by an override)")
     return f" (did you mean {near[0]!r}?)" if near else ""
 
 

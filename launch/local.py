@@ -30,7 +30,7 @@ def preflight(cfg: Any) -> None:
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
     model from the hub needs hub access (or ``model.path`` = a local HF-format dir with a config.json); a gated
     model needs ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``,
-    a directory with ``train.jsonl``).
+    a directory with ``train.jsonl``); ``output_dir`` must be creatable (what exists of it a writable directory).
     Raises:
         PreflightError: listing the reasons.
     """
@@ -70,6 +70,11 @@ def preflight(cfg: Any) -> None:
         reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) is not a directory")
     elif not os.path.isfile(os.path.join(cfg.data.dir, "train.jsonl")):
         reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) has no train.jsonl")
+    top = os.path.abspath(cfg.output_dir)  # its first part that exists must be a writable directory
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
+        reasons.append(f"output_dir={cfg.output_dir}: {top} is {'not writable' if os.path.isdir(top) else 'a file'}")
     if reasons:
         raise PreflightError("cannot run here:\n  - " + "\n  - ".join(reasons))
 

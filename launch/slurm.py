@@ -128,7 +128,7 @@ def load_profile(name: str) -> tuple[Profile, Path]:
     import yaml
 
     direct = Path(name).suffix in (".yaml", ".yml") and (Path(name).is_file() or os.sep in name)
-    path = Path(name).resolve() if direct else PROFILE_DIR / f"{name}.yaml"
+    path = Path(name).resolve() if direct else PROFILE_DIR / f"{name.removesuffix('.yaml').removesuffix('.yml')}.yaml"
     if not path.is_file():
         raise SlurmError(f"cluster profile {name!r} not found: {path} (profiles in {PROFILE_DIR}: "
                          f"{', '.join(available_profiles()) or 'none'})")

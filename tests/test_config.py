@@ -56,6 +56,10 @@ def test_bad_override_names_the_key(override, key):
     ("trainer.max_grad_norm=-1", "trainer.max_grad_norm must be > 0"), ("trainer.tp=0", "trainer.tp must be > 0"),
     ("trainer.betas=[2,3]", "trainer.betas=[2.0, 3.0] must be two numbers in [0, 1)"), ("trainer.betas=[0.9]", "betas"),
     ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'"),
+    ("layout.trainer.gpus=-2", "layout.trainer.gpus must be >= 0"),
+    ("layout.generator.replicas=0", "layout.generator.replicas must be > 0"),
+    ("generator.max_response_tokens=100000", "max_prompt_tokens + max_response_tokens = 100256 is more than "
+                                             "smollm2_135m's 8192 positions"),
     ("trainer.lr=inf", "trainer.lr=inf must be a finite number"), ("loss.beta=inf", "loss.beta=inf must be a finite"),
     ("reward.format_weight=nan", "reward.format_weight=nan must be a finite number"),
     ("trainer.betas=[0.9,nan]", "trainer.betas=[0.9, nan] must be a finite number"),
@@ -86,7 +90,9 @@ def test_a_secrets_value_in_the_config_is_refused_naming_the_key(monkeypatch):
     ("trainer.lrr=1", "override 'trainer.lrr=1': unknown key 'trainer.lrr' (did you mean 'trainer.lr'?)"),
     ("generatr.group_size=3", "unknown key 'generatr.group_size' (did you mean 'generator.group_size'?)"),
     ("loss.clip_hi=0.3", "(did you mean 'loss.clip_high'?)"), ("+stepz=3", "override '+stepz=3': the schema's keys"),
-    ("~trainer.lr", "no '+' to add a key, '~' to delete one")])
+    ("~trainer.lr", "no '+' to add a key, '~' to delete one"),
+    ("loss.tau_pos=1", "unknown key 'loss.tau_pos' (a parameter of loss=sapo: select it too, e.g. loss=sapo"),
+    ("defaults=[]", "unknown key 'defaults' (it is set in a recipe's config.yaml, not by an override)")])
 def test_unknown_or_added_key_is_named_with_the_closest_one(override, says):
     """A misspelled override names itself and the schema's closest key; '+' would add a key the
     schema does not have (silently ignored by every actor), '~' delete one the actors read."""

@@ -69,6 +69,10 @@ def test_model_path_replaces_the_packaged_smollm2(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(PreflightError, match=f"model.path={tmp_path / 'empty'} has no config.json"):
         preflight(load_config("smollm2_135m", [f"model.path={tmp_path / 'empty'}"]))
+    (tmp_path / "a_file").write_text("")  # an output_dir that cannot be created: named before anything starts
+    says = f"output_dir={tmp_path / 'a_file' / 'runs'}: {tmp_path / 'a_file'} is a file"
+    with pytest.raises(PreflightError, match=says):
+        preflight(load_config("smollm2_135m", [f"output_dir={tmp_path / 'a_file' / 'runs'}"]))
 
 
 def test_response_logprobs_match_a_plain_forward():
