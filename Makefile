@@ -55,7 +55,7 @@ run: venv
 	$(PY) -m launch.local run $(RECIPE) $(ARGS)
 
 eval: venv
-	$(PY) -m launch.local eval $(RECIPE) $(if $(CKPT),--ckpt $(CKPT)) $(ARGS)
+	$(PY) -m launch.local eval $(RECIPE) $(if $(CKPT),--ckpt '$(CKPT)') $(ARGS)
 
 check: venv
 	$(PY) -m launch.local check $(RECIPE) $(ARGS)

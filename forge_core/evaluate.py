@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from forge_core.actors.generator import hf_generate
 from forge_core.data import chat_prompt, load_gsm8k
-from forge_core.models import ModelSourceError, gqa_sdpa, hf_config_dict, load_model, load_tokenizer
+from forge_core.models import (ModelConfig, ModelSourceError, gqa_sdpa, hf_config_dict, load_model,
+                               load_tokenizer)
 from forge_core.rewards import extract_answer
 
 
@@ -21,8 +22,10 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
     generator.max_prompt_tokens, and score it.
     ``ckpt``: an HF-format checkpoint directory (e.g. ``runs/<recipe>/<run>/final``); ``None``
     evaluates the recipe's base model. Returns ``{"accuracy_strict", "accuracy_flexible",
-    "format_rate", "n", "seconds", "model"}``. Raises FileNotFoundError if ``ckpt`` is given but holds
-    no ``config.json``, ModelSourceError if it does not load (the message names it)."""
+    "format_rate", "n", "seconds", "model"}``. A checkpoint's own tokenizer files are used when it has
+    them (``final/`` does). Raises FileNotFoundError if ``ckpt`` is given but holds no ``config.json``,
+    ModelSourceError if it does not load or its vocabulary is smaller than the tokenizer's (the message
+    names it)."""
     from forge_core.actors.process import resolve_dtype
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
@@ -31,11 +34,15 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dic
         from transformers import AutoModelForCausalLM
         try:
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=gqa_sdpa()).eval()
-        except (OSError, ValueError) as e:  # no weights, a config.json without model_type, ...
+        except Exception as e:  # no weights, a config.json without model_type, a truncated file, ...
             raise ModelSourceError(f"CKPT={ckpt}: cannot load it as an HF checkpoint: {str(e)[:500]}") from None
     else:
         model = load_model(cfg.model, dtype=dtype)
-    tok = load_tokenizer(cfg.model)
+    own = ckpt and os.path.isfile(os.path.join(ckpt, "tokenizer_config.json"))
+    tok = load_tokenizer(ModelConfig(name=cfg.model.name, path=ckpt) if own else cfg.model)
+    if len(tok) > model.config.vocab_size:
+        raise ModelSourceError(f"CKPT={ckpt or cfg.model.name}: a vocabulary of {model.config.vocab_size} ids, "
+                               f"fewer than its tokenizer's {len(tok)}: a checkpoint of another model than RECIPE's?")
     test = load_gsm8k("test", cfg.data.dir, cfg.data.hub_id)
     idx = random.Random(cfg.eval.seed).sample(range(len(test)), min(cfg.eval.num_questions, len(test)))
     problems = [test[i] for i in sorted(idx)]

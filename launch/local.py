@@ -24,13 +24,15 @@ class PreflightError(RuntimeError):
     """The recipe cannot run here; the message lists every reason."""
 
 
-def preflight(cfg: Any) -> None:
-    """Fail fast, naming every reason, if the recipe cannot run on this machine.
+def preflight(cfg: Any, command: str = "run") -> None:
+    """Fail fast, naming every reason, if ``command`` (``run``; ``eval``: on CPU, the test split) cannot
+    run the recipe on this machine.
 
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
     model from the hub needs hub access (or ``model.path`` = a local HF-format dir with a config.json); a gated
     model needs ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``,
-    a directory with ``train.jsonl``); ``output_dir`` must be creatable (what exists of it a writable directory).
+    a directory with ``train.jsonl``, ``test.jsonl`` for eval); ``output_dir`` must be creatable
+    (what exists of it a writable directory).
     Raises:
         PreflightError: listing the reasons.
     """
@@ -38,8 +40,8 @@ def preflight(cfg: Any) -> None:
 
     from forge_core.models import gated_without_token, spec_of
 
-    reasons = []
-    if cfg.device == "cuda":
+    reasons, split = [], "test" if command == "eval" else "train"
+    if cfg.device == "cuda" and command == "run":
         need = cfg.layout.gpus_per_node
         have = torch.cuda.device_count()
         if have < max(need, 1):
@@ -68,8 +70,8 @@ def preflight(cfg: Any) -> None:
                            f"set GSM8K_DIR=/path/to/gsm8k or data.dir=... (train.jsonl, test.jsonl)")
     elif not os.path.isdir(cfg.data.dir):
         reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) is not a directory")
-    elif not os.path.isfile(os.path.join(cfg.data.dir, "train.jsonl")):
-        reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) has no train.jsonl")
+    elif not os.path.isfile(os.path.join(cfg.data.dir, f"{split}.jsonl")):
+        reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) has no {split}.jsonl")
     top = os.path.abspath(cfg.output_dir)  # its first part that exists must be a writable directory
     while not os.path.exists(top):
         top = os.path.dirname(top)
@@ -111,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except PreflightError as e:
                 print(f"note: the config is valid, but it {e}", file=sys.stderr)
             return 0
-        preflight(cfg)
+        preflight(cfg, a.command)
     except (ConfigError, PreflightError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -125,8 +127,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             res = evaluate(cfg, a.ckpt)
             print(json.dumps(res, indent=2))
             if a.ckpt:
-                with open(os.path.join(a.ckpt, "eval.json"), "w") as f:
-                    json.dump(res, f, indent=2)
+                try:
+                    with open(os.path.join(a.ckpt, "eval.json"), "w") as f:
+                        json.dump(res, f, indent=2)
+                except OSError as e:  # the figures are printed above all the same
+                    print(f"warning: {a.ckpt}/eval.json not written: {e}", file=sys.stderr)
             return 0
         out = run_dir(cfg)
         print(f"run directory: {out}", flush=True)

@@ -166,16 +166,55 @@ def test_eval_takes_ckpt_before_or_after_the_overrides(tmp_path):
                  ["eval.num_questions=2", "--ckpt", str(tmp_path / "nope")]):
         r = _cli("eval", "smollm2_135m", *args, env={"GSM8K_DIR": str(tmp_path)})
         assert r.returncode == 2 and "unrecognized arguments" not in r.stderr, r.stderr
-        assert "train.jsonl" in r.stderr  # the preflight's complaint about GSM8K_DIR, after parsing
+        assert "has no test.jsonl" in r.stderr  # the preflight's complaint about GSM8K_DIR (eval: the test split)
+
+
+def test_eval_of_a_checkpoint_scores_it_and_writes_eval_json(tmp_path):
+    """``make eval CKPT=<HF checkpoint dir>``: greedy answers to a seeded subset of the test split,
+    printed and saved beside the checkpoint (with its own tokenizer, as final/ holds one)."""
+    import json
+
+    from forge_core.models import converted_smollm2
+
+    data, ck = tmp_path / "gsm8k", tmp_path / "final"
+    data.mkdir()
+    (data / "test.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"})
+                                             + "\n" for i in range(5)))
+    shutil.copytree(converted_smollm2(), ck)
+    r = _cli("eval", "smollm2_135m", "--ckpt", str(ck), "eval.num_questions=2", "eval.max_response_tokens=8",
+             env={"GSM8K_DIR": str(data)})
+    assert r.returncode == 0, r.stderr
+    res = json.loads((ck / "eval.json").read_text())
+    assert res["n"] == 2 and res["model"] == str(ck) and 0 <= res["accuracy_strict"] <= 1, res
+    assert json.loads(r.stdout[r.stdout.index("{"):]) == res
 
 
 def test_eval_of_a_checkpoint_that_does_not_load_names_it(tmp_path):
-    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    """A checkpoint that is not one, a truncated one and one of a smaller vocabulary are named; eval
+    runs on CPU, so a GPU recipe's checkpoint gets past the preflight on a CPU machine."""
+    from forge_core.models import converted_smollm2
+
+    (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.json").write_text("{}")  # no model_type
     r = _cli("eval", "smollm2_135m", "--ckpt", str(tmp_path / "ck"), env={"GSM8K_DIR": str(tmp_path)})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"CKPT={tmp_path / 'ck'}: cannot load it as an HF checkpoint" in r.stderr and "model_type" in r.stderr
+    ck = tmp_path / "ck2"
+    shutil.copytree(converted_smollm2(), ck)
+    weights = ck / "model.safetensors"
+    os.truncate(weights, 100)  # a copy cut short
+    r = _cli("eval", "qwen3_1_7b", "--ckpt", str(ck), "model.init=random", env={"GSM8K_DIR": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "needs device=cuda" not in r.stderr, r.stderr
+    assert f"CKPT={ck}: cannot load it as an HF checkpoint" in r.stderr, r.stderr
+    shutil.rmtree(ck)  # a model of 1,000 ids, without a tokenizer of its own: the recipe's is used
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(ck)
+    r = _cli("eval", "smollm2_135m", "--ckpt", str(ck), env={"GSM8K_DIR": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"CKPT={ck}: a vocabulary of 1000 ids, fewer than its tokenizer's 49152" in r.stderr, r.stderr
 
 
 def test_gated_model_without_token():
