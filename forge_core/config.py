@@ -378,6 +378,9 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
     if bad := [o for o in overrides if o.startswith(("+", "~"))]:
         raise ConfigError(f"override {bad[0]!r}: the schema's keys are fixed (no '+' to add a key, '~' to delete "
                           f"one): set an existing key as key=value (make check lists them)")
+    if bad := [o for o in overrides if o.startswith(("hydra.", "hydra/", "recipe="))]:  # accepted, then unused
+        raise ConfigError(f"override {bad[0]!r}: not a setting of the run (Hydra's own settings are unused; recipe "
+                          f"is the recipe folder's name): copy the folder to make a new recipe")
     try:
         with initialize_config_dir(config_dir=d, version_base=None):
             cfg = compose(config_name="config", overrides=overrides)

@@ -53,6 +53,8 @@ def parse_row(row: Any, where: str) -> Problem:
     DataError naming ``where`` (``file:line``) if the row is malformed."""
     if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
         raise DataError(f"{where}: expected an object with string fields 'question' and 'answer'")
+    if not row["question"].strip():
+        raise DataError(f"{where}: the question is empty")
     _, marker, tail = row["answer"].rpartition("####")
     if not marker:
         raise DataError(f"{where}: answer has no '#### N' final-answer line")

@@ -91,6 +91,8 @@ def test_a_secrets_value_in_the_config_is_refused_naming_the_key(monkeypatch):
     ("generatr.group_size=3", "unknown key 'generatr.group_size' (did you mean 'generator.group_size'?)"),
     ("loss.clip_hi=0.3", "(did you mean 'loss.clip_high'?)"), ("+stepz=3", "override '+stepz=3': the schema's keys"),
     ("~trainer.lr", "no '+' to add a key, '~' to delete one"),
+    ("recipe=foo", "override 'recipe=foo': not a setting of the run"),
+    ("hydra.run.dir=/x", "override 'hydra.run.dir=/x': not a setting of the run (Hydra's own settings are unused"),
     ("loss.tau_pos=1", "unknown key 'loss.tau_pos' (a parameter of loss=sapo: select it too, e.g. loss=sapo"),
     ("defaults=[]", "unknown key 'defaults' (it is set in a recipe's config.yaml, not by an override)")])
 def test_unknown_or_added_key_is_named_with_the_closest_one(override, says):

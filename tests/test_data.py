@@ -57,6 +57,8 @@ def test_bad_json_and_missing_field(tmp_path):
         parse_row({"question": "q", "answer": "#### many"}, "x:1")
     with pytest.raises(DataError, match="x:2: the text after '####' is not a number"):  # not Python's digit limit
         parse_row({"question": "q", "answer": "#### 1e5000"}, "x:2")
+    with pytest.raises(DataError, match="x:3: the question is empty"):
+        parse_row({"question": " \n", "answer": "#### 1"}, "x:3")
 
 
 def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):
