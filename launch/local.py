@@ -96,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. trainer.lr=1e-6 steps=5 loss=dapo")
     p.add_argument("--ckpt", default=None, help="eval: an HF checkpoint directory (default: the base model)")
     a = p.parse_intermixed_args(argv)  # --ckpt before or after the overrides
+    if a.ckpt and a.command != "eval":
+        p.error("--ckpt is eval's (to train from a checkpoint: model.path=DIR)")
 
     from forge_core.config import ConfigError, load_config
     from forge_core.controller import Controller, RunFailed

@@ -32,7 +32,8 @@ def task_config(yaml_path: str, recipe_env: str, bucket: Optional[str] = None,
     """The task file as a dict with FORGE_RECIPE (and FORGE_ARGS, the bucket mount) filled in.
 
     Raises:
-        SkyError: the file is not valid YAML, or not a YAML mapping.
+        SkyError: the file is not valid YAML, or not a YAML mapping; its ``envs`` is no mapping, or
+            names a secret (those go under ``secrets:``: SkyPilot keeps ``envs`` in its state).
     """
     import yaml
 
@@ -43,6 +44,11 @@ def task_config(yaml_path: str, recipe_env: str, bucket: Optional[str] = None,
         raise SkyError(f"{yaml_path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(cfg, dict):
         raise SkyError(f"{yaml_path}: not a SkyPilot task (a YAML mapping)")
+    if not isinstance(cfg.get("envs") or {}, dict):
+        raise SkyError(f"{yaml_path}: envs must be a mapping of names to values")
+    if secret := next((k for k in SECRETS if k in (cfg.get("envs") or {})), None):
+        raise SkyError(f"{yaml_path}: envs.{secret}: a secret is declared under secrets: (its value passed with "
+                       f"--secret), never envs:, which SkyPilot keeps in its state and shows")
     envs = cfg["envs"] = {**(cfg.get("envs") or {}), "FORGE_RECIPE": recipe_env,
                           **({"FORGE_ARGS": forge_args} if forge_args else {})}
     if bucket:
@@ -210,7 +216,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "launch":
         forge_args = shlex.join(a.overrides + extra)  # FORGE_ARGS, split with shlex on the nodes
-        return launch(a.recipe, a.cluster, a.bucket, a.managed, a.dry_run, forge_args, shlex.split(a.sky_args))
+        try:
+            sky_args = shlex.split(a.sky_args)
+        except ValueError as e:  # an unclosed quote
+            p.error(f"--sky-args {a.sky_args!r}: {e}")
+        return launch(a.recipe, a.cluster, a.bucket, a.managed, a.dry_run, forge_args, sky_args)
     return down(a.recipe, a.cluster, a.yes)
 
 

@@ -169,6 +169,8 @@ def test_eval_takes_ckpt_before_or_after_the_overrides(tmp_path):
         r = _cli("eval", "smollm2_135m", *args, env={"GSM8K_DIR": str(tmp_path)})
         assert r.returncode == 2 and "unrecognized arguments" not in r.stderr, r.stderr
         assert "has no test.jsonl" in r.stderr  # the preflight's complaint about GSM8K_DIR (eval: the test split)
+    r = _cli("run", "smollm2_135m", "--ckpt", str(tmp_path))  # a run does not start from --ckpt: refused
+    assert r.returncode == 2 and "--ckpt is eval's (to train from a checkpoint: model.path=DIR)" in r.stderr
 
 
 def test_eval_of_a_checkpoint_scores_it_and_writes_eval_json(tmp_path):

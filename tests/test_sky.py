@@ -332,6 +332,14 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path)
     bad.write_text("resources:\n  accelerators: [H100:8\n")
     with pytest.raises(ls.SkyError, match=re.escape(str(bad)) + ": not valid YAML .*line 3"):
         ls.task_config(str(bad), "recipes/qwen3_1_7b")
+    for envs, says in (("envs: [a]", "envs must be a mapping"), ("envs:\n  HF_TOKEN: hf_FAKE123", "envs.HF_TOKEN: "
+                                                                  "a secret is declared under secrets:")):
+        bad.write_text(recipe_file("qwen3_1_7b").read_text() + envs + "\n")  # (a second envs: replaces the first)
+        with pytest.raises(ls.SkyError, match=re.escape(str(bad)) + ": " + says):
+            ls.task_config(str(bad), "recipes/qwen3_1_7b")
+    with pytest.raises(SystemExit):  # an unclosed quote in --sky-args: argparse's usage error, no traceback
+        ls.main(["launch", "qwen3_1_7b", "--dry-run", "--sky-args", "'x"])
+    assert "--sky-args \"'x\": No closing quotation" in capsys.readouterr().err
     # make sky passes the same options, and ARGS as make run does: FORGE_ARGS splits (shlex, on the
     # nodes) into the overrides make run would get.
     m = subprocess.run(["make", "--no-print-directory", "-n", "sky", "RECIPE=qwen3_1_7b", "DRY_RUN=1",  # under make
