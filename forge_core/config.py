@@ -265,6 +265,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
                "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
+               "data.split": ("train", "test"),
                "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",)}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)

@@ -31,7 +31,7 @@ def preflight(cfg: Any, command: str = "run") -> None:
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
     model from the hub needs hub access (or ``model.path`` = a local HF-format dir with a config.json); a gated
     model needs ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``,
-    a directory with ``train.jsonl``, ``test.jsonl`` for eval); ``output_dir`` must be creatable
+    a directory with ``<data.split>.jsonl``, ``test.jsonl`` for eval); ``output_dir`` must be creatable
     (what exists of it a writable directory).
     Raises:
         PreflightError: listing the reasons.
@@ -40,7 +40,7 @@ def preflight(cfg: Any, command: str = "run") -> None:
 
     from forge_core.models import gated_without_token, spec_of
 
-    reasons, split = [], "test" if command == "eval" else "train"
+    reasons, split = [], "test" if command == "eval" else cfg.data.split
     if cfg.device == "cuda" and command == "run":
         need = cfg.layout.gpus_per_node
         have = torch.cuda.device_count()

@@ -479,8 +479,13 @@ def show_job(job_id: str) -> dict[str, str]:
 def last_job(job_id: Optional[str] = None) -> dict:
     """The record of ``job_id`` (default: the last job submitted from here). For another job id,
     the log folder comes from SLURM (``scontrol show job``: its StdOut path). Raises SlurmError
-    when there is no last job."""
-    rec = json.loads(LAST_JOB.read_text()) if LAST_JOB.is_file() else None
+    when there is no last job, or its record is damaged."""
+    try:
+        rec = json.loads(LAST_JOB.read_text()) if LAST_JOB.is_file() else None
+    except ValueError:  # not JSON, not UTF-8
+        rec = {}
+    if rec is not None and not (isinstance(rec, dict) and isinstance(rec.get("job_id"), str)):
+        raise SlurmError(f"{LAST_JOB} is not a job record (make slurm writes it): delete it, or pass a job id")
     if rec is None and not job_id:
         raise SlurmError(f"no job submitted from here yet ({LAST_JOB} is missing); pass a job id")
     if rec is not None and (not job_id or rec["job_id"] == str(job_id)):

@@ -57,6 +57,7 @@ def test_bad_override_names_the_key(override, key):
     ("trainer.betas=[2,3]", "trainer.betas=[2.0, 3.0] must be two numbers in [0, 1)"), ("trainer.betas=[0.9]", "betas"),
     ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'"),
     ("layout.trainer.gpus=-2", "layout.trainer.gpus must be >= 0"),
+    ("data.split=validation", "data.split='validation' must be one of ('train', 'test')"),
     ("layout.generator.replicas=0", "layout.generator.replicas must be > 0"),
     ("generator.max_response_tokens=100000", "max_prompt_tokens + max_response_tokens = 100256 is more than "
                                              "smollm2_135m's 8192 positions"),

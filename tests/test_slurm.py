@@ -242,6 +242,14 @@ def test_cancel_of_a_job_slurm_has_forgotten_still_removes_its_secrets_file(monk
     assert (tmp_path / "victim.json").exists()
 
 
+def test_a_damaged_last_job_record_is_named(tmp_path):
+    last = tmp_path / "last_job.json"
+    for text in ("{not json", '{"folder": "/x"}', "[1]"):
+        last.write_text(text)
+        r = _cli("status", env={"FORGE_SLURM_LAST_JOB": str(last)})
+        assert r.returncode == 2 and f"error: {last} is not a job record" in r.stderr, r.stderr
+
+
 def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
     monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
     monkeypatch.setenv("HF_TOKEN", "hf_test_SECRET123")
