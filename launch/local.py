@@ -24,9 +24,9 @@ class PreflightError(RuntimeError):
     """The recipe cannot run here; the message lists every reason."""
 
 
-def preflight(cfg: Any, command: str = "run") -> None:
-    """Fail fast, naming every reason, if ``command`` (``run``; ``eval``: on CPU, the test split) cannot
-    run the recipe on this machine.
+def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> None:
+    """Fail fast, naming every reason, if ``command`` (``run``; ``eval``: on CPU, the test split, of
+    checkpoint ``ckpt`` if given, not the recipe's model) cannot run the recipe on this machine.
 
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
     model from the hub needs hub access (or ``model.path`` = a local HF-format dir with a config.json); a gated
@@ -50,7 +50,7 @@ def preflight(cfg: Any, command: str = "run") -> None:
     spec = spec_of(cfg.model.name)
     hub = functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
     random_ok = cfg.model.init == "random" and spec.arch
-    if (spec.source == "hf" or cfg.model.path) and spec.config is None and not random_ok:
+    if (spec.source == "hf" or cfg.model.path) and spec.config is None and not random_ok and not ckpt:
         path = cfg.model.path or spec.path
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             reasons.append(f"model.path={path} has no config.json: not an HF-format checkpoint directory "
@@ -115,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except PreflightError as e:
                 print(f"note: the config is valid, but it {e}", file=sys.stderr)
             return 0
-        preflight(cfg, a.command)
+        preflight(cfg, a.command, a.ckpt)
     except (ConfigError, PreflightError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

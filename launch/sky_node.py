@@ -221,6 +221,8 @@ def check(gpu: bool, env: Optional[Mapping[str, str]] = None) -> int:
     recipe this task will run can be found (so a mistake fails before the run). Returns 0 or 1."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from forge_core.config import load_config
+
     env = os.environ if env is None else env
     problems = []
     for pkg, want in (GPU_VERSIONS if gpu else CPU_VERSIONS).items():
@@ -244,10 +246,14 @@ def check(gpu: bool, env: Optional[Mapping[str, str]] = None) -> int:
     ips = [l for l in (env.get("SKYPILOT_SETUP_NODE_IPS") or "").splitlines() if l.strip()]
     nodes = len(ips) or int(env.get("SKYPILOT_NUM_NODES") or 1)
     try:
-        r = resolve_recipe(nodes, need, shlex.split(env.get("FORGE_ARGS", "")), env)
+        overrides = shlex.split(env.get("FORGE_ARGS", ""))
+        r = resolve_recipe(nodes, need, overrides, env)
+        load_config(r, overrides)  # a bad FORGE_ARGS key fails here, before run:
         print(f"[check] recipe         {relpath(r)}", flush=True)
     except SkyError as e:
         problems.append(str(e))
+    except ValueError as e:  # a ConfigError, or FORGE_ARGS with an unclosed quote
+        problems.append(f"FORGE_ARGS={env.get('FORGE_ARGS', '')!r}: {e}")
     if problems:
         print("error: setup check failed:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1

@@ -209,7 +209,7 @@ def test_eval_of_a_checkpoint_that_does_not_load_names_it(tmp_path):
     shutil.copytree(converted_smollm2(), ck)
     weights = ck / "model.safetensors"
     os.truncate(weights, 100)  # a copy cut short
-    r = _cli("eval", "qwen3_1_7b", "--ckpt", str(ck), "model.init=random", env={"GSM8K_DIR": str(tmp_path)})
+    r = _cli("eval", "qwen3_1_7b", "--ckpt", str(ck), env={"GSM8K_DIR": str(tmp_path)})  # (not from the hub)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "needs device=cuda" not in r.stderr, r.stderr
     assert f"CKPT={ck}: cannot load it as an HF checkpoint" in r.stderr, r.stderr
     shutil.rmtree(ck)  # a model of 1,000 ids, without a tokenizer of its own: the recipe's is used
