@@ -317,13 +317,20 @@ def test_unknown_profile_key_fails_before_submitting(work):
     assert p.returncode == 2 and "unknown profile key 'queue'" in p.stderr
 
 
+def _hooked_profile(work: Path, name: str, sitecustomize: str, extra: str = "", setup: str = "") -> Path:
+    """A dev-partition profile (10 min limit) whose setup puts a test-only sitecustomize on the nodes'
+    PYTHONPATH; ``extra``: more profile lines, ``setup``: more setup lines (each ``  - ...\\n``)."""
+    hook = work / name
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(sitecustomize)
+    prof = work / f"{name}.yaml"
+    prof.write_text(f"partition: dev\ncpus_per_task: 1\ntime_min: 10\n{extra}"
+                    f"setup:\n  - export PYTHONPATH={hook}:$PYTHONPATH\n{setup}")
+    return prof
+
+
 def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
-    hang = work / "hang_node1"
-    hang.mkdir(exist_ok=True)
-    (hang / "sitecustomize.py").write_text(HANG_NODE1)
-    prof = work / "fast_attach.yaml"
-    prof.write_text(f"partition: dev\ncpus_per_task: 1\ntime_min: 10\nattach_timeout_s: 15\n"
-                    f"setup:\n  - export PYTHONPATH={hang}:$PYTHONPATH\n")
+    prof = _hooked_profile(work, "hang_node1", HANG_NODE1, extra="attach_timeout_s: 15\n")
     rec = _submit(work, "deadworker", "--cluster", str(prof), *TINY)
     t0 = time.time()
     state = _wait_done(rec, 180)
@@ -352,12 +359,7 @@ def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
 def test_a_task_that_outlives_node_0_is_ended_by_srun_wait(work):
     """srun's --wait (SLURM_WAIT, here 20 s from the profile's setup) ends a worker node's task that
     is still there after node 0's ended, instead of leaving it until the job's time limit (10 min)."""
-    d = work / "outlive_node1"
-    d.mkdir(exist_ok=True)
-    (d / "sitecustomize.py").write_text(OUTLIVE_NODE1)
-    prof = work / "outlive.yaml"
-    prof.write_text(f"partition: dev\ncpus_per_task: 1\ntime_min: 10\n"
-                    f"setup:\n  - export PYTHONPATH={d}:$PYTHONPATH\n  - export SLURM_WAIT=20\n")
+    prof = _hooked_profile(work, "outlive_node1", OUTLIVE_NODE1, setup="  - export SLURM_WAIT=20\n")
     rec = _submit(work, "outlive", "--cluster", str(prof), *[a for a in TINY if not a.startswith("steps=")],
                   "steps=2")
     out1 = Path(rec["folder"]) / f"{rec['job_id']}_1_log.out"
