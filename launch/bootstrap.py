@@ -370,12 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "show":
         print(json.dumps(asdict(CLUSTER_FROM[a.source]())))
         return 0
-    if a.source:
-        c = CLUSTER_FROM[a.source](port=a.port or None)
-    elif a.host:
-        c = Cluster(node_rank=0, hosts=[a.host], port=a.port or int(os.environ.get(PORT_ENV, DEFAULT_PORT)))
-    else:
+    if not (a.source or a.host):
         p.error("worker needs --host or --from")
+    try:  # --port 0 is refused by Cluster, not taken for "no port"
+        c = CLUSTER_FROM[a.source](port=a.port) if a.source else _cluster(os.environ, [a.host], 0, a.port)
+    except (KeyError, ValueError, OSError) as e:  # not in that launcher's job; a bad port, rank or host name
+        p.error(f"worker {a.host or a.source}: {e.args[0] if isinstance(e, KeyError) else e}")
     print(f"[bootstrap] worker {worker_address(c)} (node {c.node_rank}/{c.num_nodes})", flush=True)
     run_worker(c)
     return 0

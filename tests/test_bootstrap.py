@@ -103,6 +103,22 @@ def test_local_ip_for_loopback():
     assert bs.worker_address(c) == "tcp://127.0.0.1:30000"
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--host", "127.0.0.1", "--port", "0"], "worker 127.0.0.1: port 0 outside 1..65535"),  # was: the default port
+    (["--host", "no-such-host.invalid"], "worker no-such-host.invalid: "),
+    (["--from", "sky"], "worker sky: SKYPILOT_NODE_RANK is not set: not running inside a SkyPilot task"),
+    (["--from", "slurm"], "worker slurm: "),
+    ([], "worker needs --host or --from"),
+])
+def test_worker_command_line_refuses_bad_input_before_starting(args, error, capsys, monkeypatch):
+    monkeypatch.setattr(bs, "run_worker", lambda c: pytest.fail(f"worker started: {c}"))
+    for k in [k for k in os.environ if k.startswith(("SKYPILOT_", "SLURM_"))]:
+        monkeypatch.delenv(k)
+    with pytest.raises(SystemExit) as e:
+        bs.main(["worker", *args])
+    assert e.value.code == 2 and error in capsys.readouterr().err
+
+
 def test_loopback_host_list_keeps_each_nodes_own_address(monkeypatch):
     # Several hosts emulated on one machine: every node binds its own listed loopback address ...
     env = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2"}
