@@ -289,22 +289,24 @@ GQA_SDPA = "forge_sdpa_gqa"
 def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                        is_causal: Optional[bool] = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function (registered as ``"forge_sdpa_gqa"``): SDPA with
-    ``enable_gqa`` also when there is a padding mask. ``query`` ``[B, H, q, D]``, ``key``/``value``
+    """transformers attention function (registered as ``"forge_sdpa_gqa"``): SDPA over the KV heads
+    without copying them, also under a padding mask. ``query`` ``[B, H, q, D]``, ``key``/``value``
     ``[B, KV, k, D]``, ``attention_mask`` ``[B, 1, q, k]`` (bool or additive) or ``None``; returns
-    ``[B, q, H, D]``.
-
-    Why: transformers' own ``sdpa`` path copies K and V ``H / KV`` times (``repeat_kv``) whenever a
-    mask is present, which batched generation of left-padded prompts always has; for SmolLM2-135M
-    (9 heads, 3 KV heads) that copy of the whole KV cache cost more than the matmuls of a decode
-    step on an AVX2 CPU (``benchmarks/bench_cpu.py``). The math is the same SDPA.
-    """
+    ``[B, q, H, D]``. Why: transformers' ``sdpa`` before 5.24 copies K and V ``H / KV`` times under a
+    mask, which left-padded batched generation always has; for SmolLM2-135M (9 heads, 3 KV heads)
+    that cost more than a decode step's matmuls on an AVX2 CPU. fp32 uses ``enable_gqa``; a bf16/fp16
+    decode step (``q == 1``) folds each KV head's query heads into its rows (``[B, KV, H/KV, D]``, as
+    transformers 5.24's ``pack_gqa``), since masked ``enable_gqa`` takes a kernel 6x slower there (3.2
+    against 0.5 ms a layer, AVX-512 BF16 CPU; in fp32 it is 7% faster). The math is the same SDPA."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
+    (b, h, q, d), kv = query.shape, key.shape[1]
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1  # one mask row for every head
+    fold = q == 1 and h != kv and query.dtype != torch.float32 and shared_mask
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+        query.reshape(b, kv, h // kv, d) if fold else query, key, value, attn_mask=attention_mask,
+        dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=h != kv and not fold)
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), None
 
 
 def gqa_sdpa() -> str:

@@ -120,6 +120,30 @@ def test_gqa_sdpa_equals_transformers_sdpa_with_padding():
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 decode folds query heads into rows
+@pytest.mark.parametrize("q", [1, 5])  # a decode step, a prefill
+@pytest.mark.parametrize("masked", [True, False])
+def test_gqa_sdpa_attention_equals_sdpa_over_copied_kv_heads(dtype, q, masked):
+    """sdpa_gqa_attention, 9 query heads over 3 KV heads, left padding: the fp32 SDPA of the KV heads
+    copied per query head (transformers' repeat_kv), to 1e-6 in fp32 and bf16's resolution in bf16."""
+    from forge_core.models import sdpa_gqa_attention
+
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, h, n, 8, generator=g).to(dtype).float() for h, n in ((9, q), (3, 7), (3, 7)))
+    mask = torch.ones(2, 1, q, 7, dtype=torch.bool).tril(7 - q)
+    mask[0, ..., :3] = False  # row 0: three pad positions
+    module = torch.nn.Module()
+    module.is_causal = True
+    ours, _ = sdpa_gqa_attention(module, query.to(dtype), key.to(dtype), value.to(dtype), mask if masked else None,
+                                 scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask if masked else None,
+        scale=0.3, is_causal=not masked and q > 1)
+    assert ours.shape == (2, q, 9, 8)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref.transpose(1, 2), atol=tol, rtol=tol)
+
+
 def test_group_prefill_once_gives_generates_own_samples():
     """hf_generate prefills each prompt once and repeats its KV cache for the group: greedy
     completions of left-padded prompts equal transformers' plain generate, token for token."""
