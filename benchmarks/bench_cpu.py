@@ -9,6 +9,8 @@ Rows, for each thread count (``torch.set_num_threads``):
 
 - the dtype probe of :func:`forge_core.actors.process.matmul_probe` (``[64, 576] @ [576, 576]``, bf16 vs
   fp32, best of 5) and what ``dtype: auto`` picks from it;
+- one decode step's attention in one layer, bf16 and fp32, SDPA's masked ``enable_gqa`` against query
+  heads folded into their KV head's rows (:func:`decode_attention_ms`);
 - generation (:func:`forge_core.actors.generator.hf_generate`: SDPA with ``enable_gqa`` under the
   padding mask, each prompt prefilled once per group) against transformers' plain path (its
   ``sdpa`` attention, which copies K/V per head group when a mask is present, and
@@ -71,6 +73,26 @@ def plain_generate(model, tok, prompts: list[str], n: int, max_new: int, tempera
         model.set_attn_implementation(GQA_SDPA)
 
 
+def decode_attention_ms(dtype: torch.dtype, fold: bool, batch: int = 16, keys: int = 300, reps: int = 50) -> float:
+    """ms of one decode step's attention in one SmolLM2 layer (9 query heads over 3 KV heads, head dim
+    64, ``keys`` cached positions, 20 of them padding): SDPA with ``enable_gqa``, or with each KV head's
+    query heads folded into its rows (what :func:`forge_core.models.sdpa_gqa_attention` does in bf16)."""
+    F = torch.nn.functional
+    q, k, v = (torch.randn(batch, h, n, 64, dtype=dtype) for h, n in ((9, 1), (3, keys), (3, keys)))
+    mask = torch.ones(batch, 1, 1, keys, dtype=torch.bool)
+    mask[..., :20] = False
+    if fold:
+        def step(): return F.scaled_dot_product_attention(q.reshape(batch, 3, 3, 64), k, v, attn_mask=mask)
+    else:
+        def step(): return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -102,6 +124,11 @@ def main() -> None:
         row("dtype probe 64x576 @ 576x576 (bf16 / fp32)", th,
             f"{bf16_s * 1e3:.2f} ms / {fp32_s * 1e3:.2f} ms -> {str(dtype).removeprefix('torch.')}",
             bf16_ms=bf16_s * 1e3, fp32_ms=fp32_s * 1e3)
+        att = {(d, f): decode_attention_ms(d, f) for d in (torch.bfloat16, torch.float32) for f in (False, True)}
+        row("decode attention 16x300 keys, enable_gqa / fold", th,
+            f"bf16 {att[torch.bfloat16, False]:.2f} / {att[torch.bfloat16, True]:.2f} ms, "
+            f"fp32 {att[torch.float32, False]:.2f} / {att[torch.float32, True]:.2f} ms",
+            attention_ms={f"{str(d).removeprefix('torch.')}_{'fold' if f else 'gqa'}": ms for (d, f), ms in att.items()})
         model = load_model(mc, dtype=dtype)
         shape = f"{a.prompts}x{a.group_size}x{a.max_response_tokens}"
         t0 = time.perf_counter()

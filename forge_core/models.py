@@ -296,8 +296,8 @@ def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     mask, which left-padded batched generation always has; for SmolLM2-135M (9 heads, 3 KV heads)
     that cost more than a decode step's matmuls on an AVX2 CPU. fp32 uses ``enable_gqa``; a bf16/fp16
     decode step (``q == 1``) folds each KV head's query heads into its rows (``[B, KV, H/KV, D]``, as
-    transformers 5.24's ``pack_gqa``), since masked ``enable_gqa`` takes a kernel 6x slower there (3.2
-    against 0.5 ms a layer, AVX-512 BF16 CPU; in fp32 it is 7% faster). The math is the same SDPA."""
+    transformers 5.24's ``pack_gqa``), since masked ``enable_gqa`` takes a kernel 5-7x slower there (3.2
+    against 0.6 ms a layer; in fp32 it is as fast or faster: ``make bench-cpu``). The math is the same SDPA."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     (b, h, q, d), kv = query.shape, key.shape[1]
