@@ -298,9 +298,9 @@ def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     decode step (``q == 1``) folds each KV head's query heads into its rows (``[B, KV, H/KV, D]``, as
     transformers 5.24's ``pack_gqa``), since masked ``enable_gqa`` takes a kernel 5-7x slower there (3.2
     against 0.6 ms a layer; in fp32 it is as fast or faster: ``make bench-cpu``). The math is the same SDPA."""
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = query.shape[2] > 1 and attention_mask is None and causal
     (b, h, q, d), kv = query.shape, key.shape[1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = q > 1 and attention_mask is None and causal
     shared_mask = attention_mask is None or attention_mask.shape[1] == 1  # one mask row for every head
     fold = q == 1 and h != kv and query.dtype != torch.float32 and shared_mask
     out = torch.nn.functional.scaled_dot_product_attention(
