@@ -106,7 +106,7 @@ def main() -> None:
     mc = ModelConfig(name="smollm2_135m")
     tok = load_tokenizer(mc)
     gsm = os.environ.get("GSM8K_DIR")
-    questions = ([p.question for p in load_jsonl(os.path.join(gsm, "train.jsonl"))[:a.prompts]] if gsm else
+    questions = ([p.prompt for p in load_jsonl(os.path.join(gsm, "train.jsonl"))[:a.prompts]] if gsm else
                  ["Tom has 3 apples and buys 2 more. How many apples does he have now?"] * a.prompts)
     prompts = [chat_prompt(tok, q, DEFAULT_SYSTEM_PROMPT) for q in questions]
     print(f"CPU: {cpu_description()}; torch {torch.__version__}")

@@ -70,7 +70,7 @@ def prompts_of(cfg, n: int) -> list:
 
     tok = load_tokenizer(cfg.model)
     probs = PromptSource(load_gsm8k("train", cfg.data.dir), 0).next_batch(n)
-    return [tok(chat_prompt(tok, p.question, cfg.data.system_prompt), add_special_tokens=False).input_ids for p in probs]
+    return [tok(chat_prompt(tok, p, cfg.data.system_prompt), add_special_tokens=False).input_ids for p in probs]
 
 
 async def gen_rate(gens: list, prompts: list, G: int, R: int) -> tuple[float, int]:

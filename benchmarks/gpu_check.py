@@ -75,7 +75,7 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
             check(f"generate step {step}: 4 prompts x G=4, logprob per token", ok,
                   f"{st['gen_tokens']} tokens {st['gen_tok_s']:.0f} tok/s sleep {st.get('sleep_s', 0):.2f}s "
                   f"wake {st.get('wake_s', 0):.2f}s; e.g. {eps[0].text[:60]!r}")
-            eps = await call("reward", svc.reward.score, eps)
+            eps, _ = await call("reward", svc.reward.score, eps)
             lists, _ = await call("reference", svc.reference.logprobs, eps)
             for e, lp in zip(eps, lists):
                 e.ref_logprobs = lp

@@ -21,8 +21,10 @@ def summarize(path: str, skip: int = 1, until: int = 0) -> dict:
     pay start-up and compile), ``overlap`` = (gen + ref + train) / step, and the step count."""
     from forge_core.metrics import read_jsonl
 
-    rows = read_jsonl(path)
-    use = [r for r in rows[skip:] if not until or r["step"] <= until] or rows
+    rows = [r for r in read_jsonl(path) if "step_s" in r]  # step rows (held-out evaluation rows apart)
+    use = [r for r in rows[skip:] if not until or r["step"] <= until]
+    if not use:
+        raise SystemExit(f"{path}: no step after the first {skip} (and up to step {until or 'the last'}) to average")
     out = {k: statistics.fmean(r.get(k, 0.0) for r in use) for k in KEYS}
     out["overlap"] = (out["gen_s"] + out["ref_s"] + out["train_s"]) / max(out["step_s"], 1e-9)
     out.update(steps=len(rows), measured_steps=len(use), startup_s=rows[0].get("startup_s", 0.0) if rows else 0.0,

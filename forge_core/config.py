@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib.util
 import math
 import os
 import re
@@ -28,11 +27,11 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from forge_core import SECRETS
-from forge_core.data import DataConfig
+from forge_core.data import SOURCES, DataConfig
 from forge_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from forge_core.losses import LOSS_CONFIGS, LossConfig, validate_loss
 from forge_core.models import ModelConfig
-from forge_core.rewards import RewardConfig
+from forge_core.rewards import RewardConfig, RewardError, load_reward_fn
 
 
 class ConfigError(ValueError):
@@ -190,11 +189,22 @@ class WandbConfig:
 
 @dataclass
 class EvalConfig:
-    """Greedy GSM8K test accuracy on a fixed, seeded subset of ``num_questions``."""
+    """Held-out evaluation: during a run on the generator replicas with the current weights, and by
+    ``make eval``. ``every``: steps between evaluations during a run (0: none; when > 0 the last step is
+    evaluated too); ``at_start``: also evaluate the initial policy (version 0) before training;
+    ``num_questions``: a fixed subset of the held-out split (``data.test``), drawn with ``seed``;
+    ``samples``: k responses per question (pass@1 is their mean, pass@k whether any is correct);
+    ``temperature`` (0: greedy), ``top_p`` and ``max_response_tokens`` (null: the rollouts') are the
+    evaluation's sampling settings; ``batch_size``: questions per batch of ``make eval`` on the CPU."""
 
+    every: int = 0
+    at_start: bool = False
     num_questions: int = 200
+    samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_response_tokens: Optional[int] = None
     seed: int = 1234
-    max_response_tokens: int = 256
     batch_size: int = 32
 
 
@@ -265,7 +275,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
                "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
-               "data.split": ("train", "test"),
+               "data.source": SOURCES,
                "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",)}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
@@ -275,14 +285,15 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "trainer.micro_batch_size", "buffer_capacity", "eval.num_questions", "generator.max_num_seqs",
                 "weight_sync.bucket_mb", "weight_sync.timeout_s", "fault.call_timeout_s", "fault.max_bad_steps",
                 "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
-                "fault.restart_window_s", "eval.max_response_tokens", "eval.batch_size", "trainer.max_grad_norm",
+                "fault.restart_window_s", "eval.samples", "eval.batch_size", "trainer.max_grad_norm",
                 "trainer.tp", "layout.nodes", "fault.startup_timeout_s", "layout.generator.replicas",
                 "layout.generator.tp")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
                     "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.trainer.gpus",
-                    "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host")
-    fractions = ("generator.top_p", "generator.gpu_memory_utilization")
+                    "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host",
+                    "eval.every", "eval.temperature")
+    fractions = ("generator.top_p", "generator.gpu_memory_utilization", "eval.top_p")
     for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                            (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):
         for key in keys:
@@ -294,10 +305,25 @@ def _check(cfg: DictConfig, where: str) -> None:
         validate_loss(cfg.loss)
     except ValueError as e:
         raise ConfigError(f"{where}: loss={cfg.loss.name}: {e}") from None
-    if cfg.reward.fn and not _importable(mod := cfg.reward.fn.partition(":")[0]):
-        raise ConfigError(f"{where}: reward.fn={cfg.reward.fn!r}: no module {mod!r} to import "
-                          f"(expected 'package.module:function')")
-    seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
+    try:
+        load_reward_fn(cfg.reward)
+    except RewardError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    e = cfg.eval
+    if e.max_response_tokens is not None and e.max_response_tokens <= 0:
+        raise ConfigError(f"{where}: eval.max_response_tokens must be > 0 (or null: the rollouts'), got "
+                          f"{e.max_response_tokens}")
+    if e.samples > 1 and e.temperature == 0:
+        raise ConfigError(f"{where}: eval.samples={e.samples} with eval.temperature=0 (greedy) gives k identical "
+                          f"responses: set eval.temperature > 0 for pass@k, or eval.samples=1")
+    if (e.every or e.at_start) and not cfg.data.test:
+        raise ConfigError(f"{where}: evaluation is asked for (eval.every={e.every}, eval.at_start={e.at_start}) "
+                          f"but data.test is empty: name a held-out split, or set eval.every=0 eval.at_start=false")
+    if cfg.data.source == "file" and not cfg.data.train:
+        raise ConfigError(f"{where}: data.source=file needs data.train, a .jsonl or .parquet file")
+    if cfg.data.source != "gsm8k" and not (cfg.data.messages_field or cfg.data.prompt_field):
+        raise ConfigError(f"{where}: data.prompt_field (or data.messages_field) must name the prompt's field")
+    seq = cfg.generator.max_prompt_tokens + max(cfg.generator.max_response_tokens, e.max_response_tokens or 0)
     if cfg.trainer.tokens_per_micro_batch and cfg.trainer.tokens_per_micro_batch < seq:
         raise ConfigError(f"{where}: trainer.tokens_per_micro_batch={cfg.trainer.tokens_per_micro_batch} is smaller "
                           f"than the longest episode (generator.max_prompt_tokens + max_response_tokens = {seq})")
@@ -313,7 +339,8 @@ def _check(cfg: DictConfig, where: str) -> None:
     from forge_core.models import hf_config_dict
     hf = hf_config_dict(cfg.model.name)
     if seq > hf.get("max_position_embeddings", seq):
-        raise ConfigError(f"{where}: generator.max_prompt_tokens + max_response_tokens = {seq} is more than "
+        raise ConfigError(f"{where}: generator.max_prompt_tokens + max_response_tokens (or eval.max_response_tokens) "
+                          f"= {seq} is more than "
                           f"{cfg.model.name}'s {hf['max_position_embeddings']} positions (max_position_embeddings)")
     try:
         plan = plan_layout(cfg, hf.get("num_attention_heads"))
@@ -330,6 +357,19 @@ def _check(cfg: DictConfig, where: str) -> None:
                           f"cross hosts; use auto, nccl or rdma")
 
 
+def _resolve_paths(cfg: DictConfig, d: str) -> None:
+    """Make the recipe's own files absolute: ``data.train``/``data.test`` of a ``file`` source and the
+    ``.py`` file of ``reward.fn``, when relative, are relative to the recipe folder ``d`` (a copied
+    folder carries them)."""
+    if cfg.data.source == "file":
+        for k in ("train", "test"):
+            if cfg.data[k] and not os.path.isabs(os.path.expanduser(cfg.data[k])):
+                cfg.data[k] = os.path.join(d, cfg.data[k])
+    path, sep, name = cfg.reward.fn.rpartition(":")
+    if sep and path.endswith(".py") and not os.path.isabs(os.path.expanduser(path)):
+        cfg.reward.fn = f"{os.path.join(d, path)}:{name}"
+
+
 def _did_you_mean(key: str) -> str:
     """`` (did you mean 'trainer.lr'?)``: the schema's closest dotted key to ``key`` (any loss's), or ''."""
     keys = [k for k, _ in _leaves(OmegaConf.to_container(OmegaConf.structured(Config)))]
@@ -341,13 +381,6 @@ def _did_you_mean(key: str) -> str:
         return (f" (a parameter of loss={' or '.join(owners)}: select it too, e.g. loss={owners[0]} {key}=...)"
                 if owners else " (it is set in a recipe's config.yaml, not by an override)")
     return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def _importable(module: str) -> bool:
-    try:
-        return bool(module) and importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that is missing, a relative name
-        return False
 
 
 def recipe_dir(recipe: str) -> str:
@@ -390,6 +423,7 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
         with open_dict(cfg):
             cfg.recipe = os.path.basename(d)
         OmegaConf.resolve(cfg)
+        _resolve_paths(cfg, d)
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # YAMLError: not YAML, a

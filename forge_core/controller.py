@@ -58,10 +58,12 @@ from tqdm import tqdm
 
 from forge_core import checkpoint
 from forge_core.advantages import compute_advantages
-from forge_core.data import PromptSource, load_gsm8k
+from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, plot_rewards
-from forge_core.services import ActorFailed, RunFailed, Service, Services, call, call_all, spawn_services
+from forge_core.rewards import load_reward_fn, reward_components
+from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, eval_max_tokens,
+                                 spawn_services)
 from forge_core.weight_sync import choose_transport
 
 
@@ -104,15 +106,58 @@ def batch_hash(episodes: list[Episode]) -> int:
     return int(hashlib.sha256(key.encode()).hexdigest()[:13], 16)
 
 
-def _batch_stats(episodes: list[Episode], step: int) -> dict:
+def _batch_stats(episodes: list[Episode], step: Optional[int] = None, prefix: str = "") -> dict:
+    """Means over scored ``episodes``: reward (and its std), each reward component (``reward/<name>``),
+    accuracy, format rate, response length, truncation, the policy's entropy (below) and, with
+    ``step``, the off-policy staleness. ``entropy``: the mean over response tokens of ``-log pi(y_t)``
+    under the sampling policy (the behaviour logprobs): a Monte-Carlo estimate of the per-token entropy
+    of the tempered distribution sampled from (``E_{y~pi}[-log pi(y)] = H(pi)``), cheap and exact in
+    expectation; it falls as the policy collapses onto few continuations. Keys get ``prefix``."""
     rewards, lens = [e.reward for e in episodes], [len(e.response_ids) for e in episodes]
-    stale = [step - e.policy_version for e in episodes]
-    return {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-            "accuracy": statistics.fmean(e.correct for e in episodes),
-            "format_rate": statistics.fmean(e.formatted for e in episodes),
-            "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
-            "truncated_frac": statistics.fmean(e.truncated for e in episodes),
-            "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale)}
+    lps = [lp for e in episodes for lp in e.behaviour_logprobs]
+    comps = sorted({k for e in episodes for k in e.components})
+    out = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+           **{f"reward/{k}": statistics.fmean(e.components.get(k, 0.0) for e in episodes) for k in comps},
+           "accuracy": statistics.fmean(e.correct for e in episodes),
+           "format_rate": statistics.fmean(e.formatted for e in episodes),
+           "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
+           "truncated_frac": statistics.fmean(e.truncated for e in episodes),
+           "entropy": -statistics.fmean(lps) if lps else 0.0}
+    if step is not None:
+        stale = [step - e.policy_version for e in episodes]
+        out.update(staleness_mean=statistics.fmean(stale), staleness_max=max(stale))
+    return {prefix + k: v for k, v in out.items()}
+
+
+def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
+    """The run's training problems and its held-out evaluation subset (empty when ``eval.every`` is 0
+    and ``eval.at_start`` false), checked before anything starts or is written: both splits load
+    through the field mapping, one batch's worth of distinct prompts exists, and the reward function
+    answers one training example (its target as the response) with a finite float or a dict of them.
+
+    Raises:
+        DataError: a split that does not load (file, field, row: the message names them), or
+            ``prompts_per_step`` beyond the training rows.
+        RewardError: ``reward.fn`` cannot be loaded, raises, or returns something else (names it).
+    """
+    train = load_split(cfg.data, "train")
+    if len(train) < cfg.prompts_per_step:
+        raise DataError(f"prompts_per_step={cfg.prompts_per_step} is more than the {len(train)} training prompts "
+                        f"of data.train={cfg.data.train}: one batch would repeat prompts")
+    e = cfg.eval
+    held = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed) if e.every or e.at_start else []
+    p = train[0]
+    reward_components(load_reward_fn(cfg.reward), cfg.reward.fn, p.answer, {**p.row, "target": p.answer},
+                      f"example {p.id} (its target as the response, a check before the run)")
+    return train, held
+
+
+def _brief(error: BaseException, limit: int = 400) -> str:
+    """The gist of an actor's error for a one-line warning: its last non-empty line (an actor's error
+    ends with its exception after the traceback), cut at ``limit`` characters on a word boundary."""
+    lines = [l.strip() for l in str(error.__cause__ or error).splitlines() if l.strip()] or [repr(error)]
+    last = lines[-1]
+    return last if len(last) <= limit else last[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
@@ -172,6 +217,9 @@ class Controller:
         self.skipped_batches = self.bad_in_a_row = self.checkpoint_failures = 0  # bad_in_a_row: skips in a row
         self.ref_digest = ""
         self.tokenizer_files: dict = {}  # for final/, from a replica at the start (no later call)
+        self.held_out: list[Problem] = []  # the held-out evaluation subset (eval.*)
+        self.mlog: Optional[MetricsLog] = None
+        self.last_eval: dict = {}
 
     async def _set(self, **attrs: Any) -> None:
         """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
@@ -204,9 +252,7 @@ class Controller:
             shutil.rmtree(tmp, ignore_errors=True)
             self.checkpoint_failures += 1
             prev = checkpoint.complete(self.ckpt_root)
-            # the last line of an actor's error is its exception (the lines before: a traceback)
-            lines = [l.strip() for l in str(e.__cause__ or e).splitlines() if l.strip()] or [repr(e)]
-            checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({lines[-1][:200]}); "
+            checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({_brief(e, 200)}); "
                             + (f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint"))
             return None
         shutil.rmtree(final, ignore_errors=True)
@@ -252,7 +298,7 @@ class Controller:
                "restarts": self.restarts[role], "time": time.time()}
         with open(os.path.join(self.out_dir, "faults.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
-        checkpoint.warn(f"{name} failed ({str(error)[:300]}); respawned and back in {rec['recover_s']:.1f} s")
+        checkpoint.warn(f"{name} failed ({_brief(error)}); respawned and back in {rec['recover_s']:.1f} s")
 
     def _current(self, name: str) -> Service:
         return next(s for s in self.svc.all() if s.name == name)
@@ -359,6 +405,8 @@ class Controller:
             finally:
                 if finishing is not None and not finishing.done():
                     finishing.cancel()
+                elif finishing is not None and not finishing.cancelled():
+                    finishing.exception()  # retrieved: its failure reached the training loop as background_error
         except Exception as e:
             await self._set(background_error=e)
             raise
@@ -372,7 +420,7 @@ class Controller:
         cfg, s = self.cfg, self.svc
         try:
             t0 = time.perf_counter()
-            episodes = await self._supervised("reward", "score", episodes)
+            episodes = await self._score(episodes)
             reward_s = time.perf_counter() - t0
             tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
             ranks = await self._supervised("reference", "logprobs", episodes, tokens=tokens, all_ranks=True)
@@ -401,14 +449,75 @@ class Controller:
         finally:
             await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
 
+    async def _score(self, episodes: list[Episode]) -> list[Episode]:
+        """``episodes`` scored by the reward actor. Raises RunFailed when the recipe's reward function
+        raised or returned something that is not a finite float or a dict of them (a fault of the recipe,
+        not of the actor: no respawn; the message names the function, the example and the value)."""
+        episodes, error = await self._supervised("reward", "score", episodes)
+        if error:
+            raise RunFailed(f"{error}; the run stops after step {self.step}")
+        return episodes
+
+    # ---- held-out evaluation -----------------------------------------------------------------
+    def _eval_due(self, version: int) -> bool:
+        """Whether policy version ``version`` (after that many steps) is evaluated: every ``eval.every``
+        steps and the last step (version 0, ``eval.at_start``, is started by the run itself)."""
+        every = self.cfg.eval.every
+        return every > 0 and (version % every == 0 or version == self.cfg.steps)
+
+    async def evaluate(self) -> dict:
+        """Evaluate the policy the replicas hold on the held-out subset and log it (one ``metrics.jsonl``
+        row with ``eval/...`` keys, ``step`` = the version evaluated). The questions are spread over the
+        replicas as rollout groups are (whole questions, the replica expected to finish first), each
+        sampled ``eval.samples`` times with the evaluation's settings and a fixed seed, and scored by the
+        reward actor. pass@1 is the mean correctness of all samples; pass@k (k = ``eval.samples``) the
+        fraction of questions with at least one correct sample: the unbiased estimator of Chen et al.
+        2021 ("Evaluating Large Language Models Trained on Code", eq. 1) with n = k. Runs between two
+        syncs (see :meth:`publish_and_sync`), so every sample comes from the version evaluated (recorded
+        as ``eval/policy_version``). Returns the row."""
+        e, gens, t0 = self.cfg.eval, self.svc.generators, time.perf_counter()
+        sampling = {"n": e.samples, "temperature": e.temperature, "top_p": e.top_p,
+                    "max_tokens": eval_max_tokens(self.cfg)}
+        plan = self.dispatcher.assign(len(self.held_out), list(range(len(gens))))
+
+        async def one(r: int, idx: list[int]) -> list[Episode]:
+            ta = time.perf_counter()
+            eps, _ = await self._supervised(gens[r].name, "generate", [self.held_out[i] for i in idx], e.seed,
+                                            sampling, tokens=len(idx) * e.samples * sampling["max_tokens"])
+            self.dispatcher.done(r, len(idx), time.perf_counter() - ta)
+            return eps
+
+        got = await asyncio.gather(*(one(r, idx) for r, idx in plan.items()))
+        gen_s = time.perf_counter() - t0
+        episodes = await self._score([ep for eps in got for ep in eps])
+        correct = torch.tensor([ep.correct for ep in episodes], dtype=torch.float32).view(-1, e.samples)
+        versions = sorted({ep.policy_version for ep in episodes})
+        if len(versions) > 1:  # a replica respawned during the evaluation got the trainer's newer weights
+            checkpoint.warn(f"held-out evaluation mixed policy versions {versions} (a replica was respawned)")
+        ntok = sum(len(ep.response_ids) for ep in episodes)
+        row = {"step": versions[0], "eval/policy_version": versions[0], "eval/pass@1": float(correct.mean()),
+               **({f"eval/pass@{e.samples}": float(correct.amax(1).mean())} if e.samples > 1 else {}),
+               **_batch_stats(episodes, prefix="eval/"), "eval/questions": correct.shape[0], "eval/k": e.samples,
+               "eval/s": time.perf_counter() - t0, "eval/gen_s": gen_s, "eval/gen_tok_s": ntok / gen_s}
+        self.mlog.log(row)
+        self.last_eval = row
+        return row
+
     # ---- weight sync -------------------------------------------------------------------------
-    async def publish_and_sync(self) -> None:
-        """Publish the trainer's current weights and bring every replica to them (under the sync lock).
+    async def publish_and_sync(self, sync: bool = True, evaluate: bool = False) -> None:
+        """Publish the trainer's current weights and bring every replica to them (under the sync lock);
+        then, with ``evaluate``, evaluate that version (:meth:`evaluate`), outside the lock, so that the
+        rollouts and a respawn go on meanwhile. The next version is published only once this task is
+        done (the training loop awaits it first), so the replicas hold the evaluated version throughout,
+        and training waits for an evaluation only when it outlasts the training step beside it.
         A failure also becomes ``background_error``: the training loop may be waiting for a batch that
         only the new version can generate (``max_staleness=0``)."""
         try:
-            async with self.sync_lock:
-                await self._sync_locked()
+            if sync:
+                async with self.sync_lock:
+                    await self._sync_locked()
+            if evaluate:
+                await self.evaluate()
         except Exception as e:
             await self._set(background_error=e)
             raise
@@ -494,16 +603,18 @@ class Controller:
     async def run(self) -> dict:
         """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
         actor call fails (the message names the actor); checkpoints and metrics written so far stay intact.
-        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``."""
+        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``,
+        and DataError or RewardError (:func:`load_task`) before anything is written."""
         cfg = self.cfg
         if not cfg.resume and (os.path.exists(os.path.join(self.out_dir, "metrics.jsonl"))
                                or checkpoint.complete(self.ckpt_root)):
             raise RunFailed(f"{self.out_dir} holds an earlier run (metrics.jsonl, checkpoints/): resume=false would "
                             f"overwrite its metrics and mix its checkpoints with this run's; set another run_id, or "
                             f"resume=true to go on from its last checkpoint")
+        train, self.held_out = load_task(cfg)  # bad data or reward: an error before anything is written
         os.makedirs(self.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
-        self.source = PromptSource(load_gsm8k(cfg.data.split, cfg.data.dir, cfg.data.hub_id), cfg.data.seed)
+        self.source = PromptSource(train, cfg.data.seed)
         t_start = time.perf_counter()
         try:
             self.svc = await spawn_services(cfg, self.hosts)
@@ -552,8 +663,10 @@ class Controller:
         await self.start()
         startup_s = time.perf_counter() - t_start
         # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
-        mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
-                          os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
+        mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
+                                      os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
+        if cfg.eval.at_start and self.step == 0:  # version 0, beside the first rollout
+            self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
         rollouts = asyncio.create_task(self.rollout_loop())
@@ -571,11 +684,11 @@ class Controller:
                     self._skip(tm)
                     continue
                 self.bad_in_a_row = 0
-                stats = _batch_stats(episodes, self.step)  # of a trained batch (a NaN reward broke pstdev)
+                stats = _batch_stats(episodes, self.step)  # of a trained batch
                 if self.sync_task is not None:
                     await self.sync_task  # receivers may still read the buffer publish overwrites
                 prev_sync = dict(self.last_sync)
-                self.sync_task = asyncio.create_task(self.publish_and_sync())
+                self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=self._eval_due(self.step + 1)))
                 self.step += 1
                 ro, self.rollout_stats = self.rollout_stats, []
                 # timings: of the rollouts finished during this step, else of the latest one (a row
@@ -606,7 +719,8 @@ class Controller:
                     await self.save_checkpoint()
                     await self._set(paused=False)
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                                loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s")
+                                loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s",
+                                **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"} if self.last_eval else {}))
                 bar.update(1)
             rollouts.cancel()
             if self.sync_task is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # torch is imported where collate runs: the reward and buffer processes never load it
@@ -16,7 +16,8 @@ class Episode:
     Attributes:
         prompt_id: id of the source problem (``file:line``); the G episodes of a group share it.
         group: index of its group within the rollout batch.
-        target: the reference answer.
+        target: the reference answer (the data's ``answer_field``; GSM8K: the final number).
+        example: the data row the prompt came from (what a recipe's reward function reads).
         prompt_ids: prompt tokens (unpadded), ``[P_i]``.
         response_ids: response tokens up to and including EOS (unpadded), ``[R_i]``.
         behaviour_logprobs: the generator's logprobs of ``response_ids``, ``[R_i]``.
@@ -24,7 +25,8 @@ class Episode:
         policy_version: the generator's weight version that sampled it.
         replica: the generator replica that sampled it.
         truncated: hit the response-token budget without EOS.
-        reward, correct, formatted: filled by the reward actor.
+        reward, correct, formatted: filled by the reward actor; ``components``: the reward's named
+            parts (``reward.fn`` returning a dict; their sum is ``reward``).
         ref_logprobs: the reference model's logprobs of ``response_ids``, ``[R_i]``.
         advantage: the group-normalised advantage (a scalar per episode).
     """
@@ -42,6 +44,8 @@ class Episode:
     reward: float = 0.0
     correct: bool = False
     formatted: bool = False
+    components: dict = field(default_factory=dict)
+    example: dict = field(default_factory=dict)
     ref_logprobs: Optional[list[float]] = None
     advantage: float = 0.0
 

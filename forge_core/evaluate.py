@@ -1,66 +1,173 @@
-"""Greedy GSM8K test accuracy on a fixed, seeded subset (``make eval RECIPE=... [CKPT=...]``)."""
+"""Held-out evaluation of a checkpoint on this machine's engine (``make eval RECIPE=... [CKPT=...]``).
+
+vLLM on a machine with a CUDA GPU and the ``gpu`` extra (any recipe, any checkpoint: ``final/`` or
+``checkpoints/step_N/``), transformers' ``generate`` on the CPU otherwise. The questions are the
+recipe's held-out split (``data.test``), a fixed subset of ``eval.num_questions`` drawn with
+``eval.seed``; each is answered ``eval.samples`` times with the evaluation's sampling settings
+(``eval.temperature`` 0: greedy) and scored by the recipe's reward function (``reward.fn``), as the
+evaluation during a run is. For the built-in ``gsm8k`` reward it also reports our strict and flexible
+answer extraction and lm-evaluation-harness's ``strict-match`` and ``flexible-extract``
+(:func:`forge_core.rewards.harness_extract`; the prompt here is the recipe's chat prompt, not the
+harness's 5-shot one, so the scoring is comparable, the prompting is the recipe's).
+"""
 
 from __future__ import annotations
 
 import os
-import random
+import statistics
 import time
 from typing import Any, Optional
 
 from tqdm import tqdm
 
-from forge_core.actors.generator import hf_generate
-from forge_core.data import chat_prompt, load_gsm8k
-from forge_core.models import (ModelConfig, ModelSourceError, gqa_sdpa, hf_config_dict, load_model,
-                               load_tokenizer)
-from forge_core.rewards import extract_answer
+from forge_core.data import chat_prompt, eval_subset, load_split
+from forge_core.models import ModelConfig, ModelSourceError, hf_config_dict, load_tokenizer, pretrained_dir
+from forge_core.rewards import (extract_answer, harness_exact_match, harness_extract, is_correct, load_reward_fn,
+                                reward_components, total)
 
 
-def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True) -> dict:
-    """Greedy-decode a fixed subset (``eval.num_questions`` test problems drawn with
-    ``random.Random(eval.seed)``, in file order) with ``cfg``'s model, data, eval and
-    generator.max_prompt_tokens, and score it.
-    ``ckpt``: an HF-format checkpoint directory (e.g. ``runs/<recipe>/<run>/final``); ``None``
-    evaluates the recipe's base model. Returns ``{"accuracy_strict", "accuracy_flexible",
-    "format_rate", "n", "seconds", "model"}``. A checkpoint's own tokenizer files are used when it has
-    them (``final/`` does). Raises FileNotFoundError if ``ckpt`` is given but holds no ``config.json``,
-    ModelSourceError if it does not load or its vocabulary is smaller than the tokenizer's (the message
-    names it)."""
+def pick_engine(engine: str = "auto") -> str:
+    """``"vllm"`` when ``engine`` is ``vllm``, or ``auto`` on a machine with a CUDA GPU and vLLM
+    installed; else ``"hf"``. Raises ModelSourceError for ``vllm`` without a GPU or vLLM."""
+    import importlib.util
+
+    import torch
+
+    usable = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    if engine == "vllm" and not usable:
+        raise ModelSourceError("engine vllm needs a CUDA GPU and the gpu extra (pip install -e '.[gpu]')")
+    return "vllm" if engine == "vllm" or (engine == "auto" and usable) else "hf"
+
+
+def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine: str = "auto") -> dict:
+    """Evaluate ``ckpt`` (an HF-format checkpoint directory: ``config.json`` + ``model.safetensors``,
+    e.g. ``runs/<recipe>/<run>/final``; ``None``: the recipe's base model) on ``cfg``'s held-out subset
+    (see the module docstring) with ``engine`` (``auto``, ``vllm`` or ``hf``, :func:`pick_engine`).
+    A checkpoint's own tokenizer files are used when it has them (``final/`` does).
+
+    Returns ``{"model", "engine", "questions", "k", "pass@1", "pass@k" (k > 1), "reward_mean",
+    "reward/<component>", "format_rate", "response_len_mean", "truncated_frac", "gen_s" (seconds of
+    generation), "gen_tok_s" (generated tokens per second), "seconds"}`` plus, for the ``gsm8k``
+    reward, ``"accuracy_strict"``, ``"accuracy_flexible"``, ``"lm_eval_strict_match"`` and
+    ``"lm_eval_flexible_extract"`` (means over all samples).
+
+    Raises:
+        FileNotFoundError: ``ckpt`` holds no ``config.json``.
+        ModelSourceError: the checkpoint does not load, or its vocabulary is smaller than the tokenizer's.
+        DataError: the held-out split does not load (``data.test``).
+        RewardError: the reward function fails (names it and the example).
+    """
+    t0 = time.perf_counter()
+    e = cfg.eval
+    if ckpt is not None and not os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
+    own = ckpt and os.path.isfile(os.path.join(ckpt, "tokenizer_config.json"))
+    tok = load_tokenizer(ModelConfig(name=cfg.model.name, path=ckpt) if own else cfg.model)
+    problems = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed)
+    texts = [chat_prompt(tok, p, cfg.data.system_prompt) for p in problems]
+    max_tokens = e.max_response_tokens or cfg.generator.max_response_tokens
+    engine = pick_engine(engine)
+    tg = time.perf_counter()
+    if engine == "vllm":
+        outs = _vllm_generate(cfg, ckpt, tok, texts, max_tokens, progress)
+    else:
+        outs = _hf_generate(cfg, ckpt, tok, texts, max_tokens, progress)
+    gen_s = time.perf_counter() - tg
+    fn, k = load_reward_fn(cfg.reward), e.samples
+    scored = []
+    for i, o in enumerate(outs):
+        p = problems[i // k]
+        scored.append(reward_components(fn, cfg.reward.fn, o["text"], {**p.row, "target": p.answer}, f"example {p.id}"))
+    correct = [is_correct(c) for c in scored]
+    per_q = [any(correct[i:i + k]) for i in range(0, len(correct), k)]
+    names = sorted({n for c in scored for n in c if n})
+    res = {"model": ckpt or cfg.model.name, "engine": engine, "questions": len(problems), "k": k,
+           "pass@1": statistics.fmean(correct), **({f"pass@{k}": statistics.fmean(per_q)} if k > 1 else {}),
+           "reward_mean": statistics.fmean(map(total, scored)),
+           **{f"reward/{n}": statistics.fmean(c.get(n, 0.0) for c in scored) for n in names},
+           "format_rate": statistics.fmean(c.get("format", 0.0) > 0 for c in scored),
+           "response_len_mean": statistics.fmean(len(o["response_ids"]) for o in outs),
+           "truncated_frac": statistics.fmean(o["truncated"] for o in outs)}
+    if cfg.reward.fn == "gsm8k":
+        golds = [problems[i // k] for i in range(len(outs))]
+        ref = [str(p.row.get("answer", p.answer)) if cfg.data.source == "gsm8k" else p.answer for p in golds]
+        res.update(
+            accuracy_strict=statistics.fmean(extract_answer(o["text"], "strict") == p.answer for o, p in zip(outs, golds)),
+            accuracy_flexible=statistics.fmean(extract_answer(o["text"], "flexible") == p.answer
+                                               for o, p in zip(outs, golds)),
+            lm_eval_strict_match=statistics.fmean(harness_exact_match(harness_extract(o["text"], "strict-match"), r)
+                                                  for o, r in zip(outs, ref)),
+            lm_eval_flexible_extract=statistics.fmean(
+                harness_exact_match(harness_extract(o["text"], "flexible-extract"), r) for o, r in zip(outs, ref)))
+    ntok = sum(len(o["response_ids"]) for o in outs)
+    res.update(gen_s=gen_s, gen_tok_s=ntok / gen_s, seconds=time.perf_counter() - t0)
+    return res
+
+
+def _sampling(cfg: Any, max_tokens: int) -> dict:
+    e = cfg.eval
+    return {"n": e.samples, "temperature": e.temperature, "top_p": e.top_p, "max_tokens": max_tokens}
+
+
+def _hf_generate(cfg: Any, ckpt: Optional[str], tok: Any, texts: list[str], max_tokens: int, progress: bool) -> list:
+    """Batches of ``eval.batch_size`` prompts through transformers' ``generate`` on the CPU, with a tqdm bar."""
+    import torch
+
+    from forge_core.actors.generator import hf_generate
     from forge_core.actors.process import resolve_dtype
+    from forge_core.models import gqa_sdpa, load_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
     dtype = resolve_dtype(cfg.generator.dtype, "cpu", hf_config_dict(cfg.model.name)["hidden_size"], "eval")
     if ckpt is not None:
-        if not os.path.isfile(os.path.join(ckpt, "config.json")):
-            raise FileNotFoundError(f"CKPT={ckpt}: not an HF checkpoint directory (no config.json)")
         from transformers import AutoModelForCausalLM
         try:
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=gqa_sdpa()).eval()
-        except Exception as e:  # no weights, a config.json without model_type, a truncated file, ...
-            raise ModelSourceError(f"CKPT={ckpt}: cannot load it as an HF checkpoint: {str(e)[:500]}") from None
+        except Exception as err:  # no weights, a config.json without model_type, a truncated file, ...
+            raise ModelSourceError(f"CKPT={ckpt}: cannot load it as an HF checkpoint: {str(err)[:500]}") from None
     else:
         model = load_model(cfg.model, dtype=dtype)
-    own = ckpt and os.path.isfile(os.path.join(ckpt, "tokenizer_config.json"))
-    tok = load_tokenizer(ModelConfig(name=cfg.model.name, path=ckpt) if own else cfg.model)
     if len(tok) > model.config.vocab_size:
         raise ModelSourceError(f"CKPT={ckpt or cfg.model.name}: a vocabulary of {model.config.vocab_size} ids, "
                                f"fewer than its tokenizer's {len(tok)}: a checkpoint of another model than RECIPE's?")
-    test = load_gsm8k("test", cfg.data.dir, cfg.data.hub_id)
-    idx = random.Random(cfg.eval.seed).sample(range(len(test)), min(cfg.eval.num_questions, len(test)))
-    problems = [test[i] for i in sorted(idx)]
-    strict = flexible = fmt = 0
-    t0 = time.perf_counter()
-    with tqdm(total=len(problems), desc="eval (greedy)", unit="q", disable=not progress) as bar:
-        for i in range(0, len(problems), cfg.eval.batch_size):
-            chunk = problems[i:i + cfg.eval.batch_size]
-            texts = [chat_prompt(tok, p.question, cfg.data.system_prompt) for p in chunk]
-            outs = hf_generate(model, tok, texts, 1, cfg.eval.max_response_tokens, cfg.generator.max_prompt_tokens,
-                               greedy=True)
-            for p, o in zip(chunk, outs):
-                s = extract_answer(o["text"], "strict")
-                strict += s == p.answer
-                fmt += s is not None
-                flexible += extract_answer(o["text"], "flexible") == p.answer
+    s, out = _sampling(cfg, max_tokens), []
+    with tqdm(total=len(texts), desc="eval", unit="q", disable=not progress) as bar:
+        for i in range(0, len(texts), cfg.eval.batch_size):
+            chunk = texts[i:i + cfg.eval.batch_size]
+            out += hf_generate(model, tok, chunk, s["n"], max_tokens, cfg.generator.max_prompt_tokens,
+                               s["temperature"] or 1.0, s["top_p"], greedy=s["temperature"] == 0,
+                               seed=cfg.eval.seed + i, stop_after_answer=cfg.reward.fn == "gsm8k")
             bar.update(len(chunk))
-            bar.set_postfix(strict=f"{strict / (i + len(chunk)):.3f}", flexible=f"{flexible / (i + len(chunk)):.3f}")
-    n = len(problems)
-    return {"model": ckpt or cfg.model.name, "n": n, "accuracy_strict": strict / n, "accuracy_flexible": flexible / n,
-            "format_rate": fmt / n, "seconds": time.perf_counter() - t0}
+    return out
+
+
+def _vllm_generate(cfg: Any, ckpt: Optional[str], tok: Any, texts: list[str], max_tokens: int,
+                   progress: bool) -> list:
+    """All prompts in one ``LLM.generate`` (vLLM batches and schedules them; its own progress bar),
+    token ids in and out (``skip_tokenizer_init``: the recipe's tokenizer makes the prompts), seeded
+    with ``eval.seed``."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = ckpt or pretrained_dir(cfg.model)
+    if path is None:
+        raise ModelSourceError(f"model {cfg.model.name} has random weights (model.init=random): nothing to evaluate")
+    P = cfg.generator.max_prompt_tokens
+    ids = [x[-P:] for x in tok(texts, add_special_tokens=False).input_ids]
+    try:
+        llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=P + max_tokens,
+                  gpu_memory_utilization=cfg.generator.gpu_memory_utilization, seed=cfg.eval.seed)
+    except Exception as err:
+        raise ModelSourceError(f"CKPT={path}: vLLM cannot load it: {type(err).__name__}: {str(err)[:500]}") from None
+    s = _sampling(cfg, max_tokens)
+    sp = SamplingParams(n=s["n"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=max_tokens,
+                        stop_token_ids=[tok.eos_token_id], detokenize=False, seed=cfg.eval.seed)
+    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=progress)
+    out = []
+    for o in res:
+        for c in o.outputs:
+            r = list(c.token_ids)
+            out.append({"response_ids": r, "truncated": c.finish_reason == "length",
+                        "text": tok.decode([t for t in r if t < len(tok)], skip_special_tokens=True)})
+    return out

@@ -60,19 +60,26 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def plot_rewards(metrics_path: str, png_path: str, title: str = "") -> str:
-    """Plot reward mean (with std band) and accuracy per step from the JSONL file into a PNG."""
+    """Plot the training batches' reward mean (with its std band), accuracy and format rate per step,
+    and the held-out pass@1 (``eval/pass@1`` rows, at the version evaluated) when the run evaluated,
+    from the JSONL file into a PNG. Returns ``png_path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_jsonl(metrics_path)
+    all_rows = read_jsonl(metrics_path)
+    rows = [r for r in all_rows if "reward_mean" in r]  # step rows (eval rows carry eval/... keys)
+    evals = [r for r in all_rows if "eval/pass@1" in r]
     steps, mean, std = [r["step"] for r in rows], [r["reward_mean"] for r in rows], [r["reward_std"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, mean, label="reward mean", color="C0")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                     color="C0", alpha=0.15)
-    ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy", color="C1")
-    ax.plot(steps, [r.get("format_rate", 0.0) for r in rows], label="format rate (#### N)", color="C2", linestyle="--")
+    ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (training batches)", color="C1")
+    ax.plot(steps, [r.get("format_rate", 0.0) for r in rows], label="format rate", color="C2", linestyle="--")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], label="held-out pass@1", color="C3",
+                marker="o")
     ax.set(xlabel="training step", ylabel="per rollout batch", title=title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -178,6 +178,11 @@ class Services:
         shutil.rmtree(cores_dir(), ignore_errors=True)
 
 
+def eval_max_tokens(cfg: DictConfig) -> int:
+    """The held-out evaluation's response budget (tokens): ``eval.max_response_tokens``, or the rollouts'."""
+    return cfg.eval.max_response_tokens or cfg.generator.max_response_tokens
+
+
 def _section(cfg: DictConfig, key: str) -> dict:
     return OmegaConf.to_container(cfg[key], resolve=True)
 
@@ -196,10 +201,12 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
               **({"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {"cores_dir": cores_dir()}))
     if role == "generator":
         kw.update(generator=dict(_section(cfg, "generator"), dtype=dtype or cfg.generator.dtype),
-                  system_prompt=cfg.data.system_prompt, replica=name)
+                  system_prompt=cfg.data.system_prompt, replica=name, stop_after_answer=cfg.reward.fn == "gsm8k")
         if gpu:
+            g = cfg.generator
             kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
-                      bucket_mb=cfg.weight_sync.bucket_mb)
+                      bucket_mb=cfg.weight_sync.bucket_mb,
+                      max_model_len=g.max_prompt_tokens + max(g.max_response_tokens, eval_max_tokens(cfg)))
         return kw
     kw.update(device=cfg.device, temperature=cfg.generator.temperature, port=port,
               seq_len=cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens)

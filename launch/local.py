@@ -30,8 +30,9 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
 
     Checks: ``device=cuda`` needs CUDA GPUs (as many as the layout asks for on this node); a
     model from the hub needs hub access (or ``model.path`` = a local HF-format dir with a config.json); a gated
-    model needs ``HF_TOKEN``; GSM8K from the hub needs hub access (or ``GSM8K_DIR``/``data.dir``,
-    a directory with ``<data.split>.jsonl``, ``test.jsonl`` for eval); ``output_dir`` must be creatable
+    model needs ``HF_TOKEN``; the data's splits (``data.train``; ``data.test`` too for eval and for a
+    run that evaluates) must exist: a ``file`` source's files, a ``hub`` source's hub access, GSM8K's
+    hub access or ``GSM8K_DIR``/``data.dir`` holding ``<split>.jsonl``; ``output_dir`` must be creatable
     (what exists of it a writable directory).
     Raises:
         PreflightError: listing the reasons.
@@ -40,7 +41,8 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
 
     from forge_core.models import gated_without_token, spec_of
 
-    reasons, split = [], "test" if command == "eval" else cfg.data.split
+    evaluates = command == "eval" or cfg.eval.every > 0 or cfg.eval.at_start
+    reasons, splits = [], ["test"] if command == "eval" else ["train"] + (["test"] if evaluates else [])
     if cfg.device == "cuda" and command == "run":
         need = cfg.layout.gpus_per_node
         have = torch.cuda.device_count()
@@ -64,14 +66,23 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
                 reasons.append(f"model weights {path} come from the HF hub, which is not reachable from here: "
                                f"set model.path=/local/copy, or model.init=random for same-shape random weights "
                                f"(the config still needs the hub or a local copy)")
-    if not cfg.data.dir:
-        if not hub():
-            reasons.append(f"GSM8K comes from the HF hub ({cfg.data.hub_id}), which is not reachable: "
-                           f"set GSM8K_DIR=/path/to/gsm8k or data.dir=... (train.jsonl, test.jsonl)")
-    elif not os.path.isdir(cfg.data.dir):
-        reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) is not a directory")
-    elif not os.path.isfile(os.path.join(cfg.data.dir, f"{split}.jsonl")):
-        reasons.append(f"data.dir={cfg.data.dir} (GSM8K_DIR) has no {split}.jsonl")
+    d = cfg.data
+    for key in splits:
+        name = d[key]
+        if d.source == "file":
+            if not os.path.isfile(name):
+                reasons.append(f"data.{key}={name}: no such file")
+        elif d.source == "hub" or not d.dir:
+            if not hub():
+                reasons.append(f"data.{key} comes from the HF hub ({d.hub_id}), which is not reachable: "
+                               + ("set GSM8K_DIR=/path/to/gsm8k or data.dir=... (train.jsonl, test.jsonl)"
+                                  if d.source == "gsm8k" else "use data.source=file with local .jsonl/.parquet files"))
+                break
+        elif not os.path.isdir(d.dir):
+            reasons.append(f"data.dir={d.dir} (GSM8K_DIR) is not a directory")
+            break
+        elif not os.path.isfile(os.path.join(d.dir, f"{name}.jsonl")):
+            reasons.append(f"data.dir={d.dir} (GSM8K_DIR) has no {name}.jsonl")
     top = os.path.abspath(cfg.output_dir)  # its first part that exists must be a writable directory
     while not os.path.exists(top):
         top = os.path.dirname(top)
@@ -95,14 +106,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("recipe", help="recipe name under recipes/ or a path to a recipe folder")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. trainer.lr=1e-6 steps=5 loss=dapo")
     p.add_argument("--ckpt", default=None, help="eval: an HF checkpoint directory (default: the base model)")
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
+                   help="eval: vllm (a CUDA GPU with the gpu extra; auto picks it there) or hf (CPU)")
     a = p.parse_intermixed_args(argv)  # --ckpt before or after the overrides
     if a.ckpt and a.command != "eval":
         p.error("--ckpt is eval's (to train from a checkpoint: model.path=DIR)")
+    if a.engine != "auto" and a.command != "eval":
+        p.error("--engine is eval's")
 
     from forge_core.config import ConfigError, load_config
-    from forge_core.controller import Controller, RunFailed
+    from forge_core.controller import Controller, RunFailed, load_task
     from forge_core.data import DataError
     from forge_core.models import ModelSourceError
+    from forge_core.rewards import RewardError
 
     try:
         cfg = load_config(a.recipe, a.overrides)
@@ -112,21 +128,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(OmegaConf.to_yaml(cfg))
             try:
                 preflight(cfg)
-            except PreflightError as e:
-                print(f"note: the config is valid, but it {e}", file=sys.stderr)
+                note = None
+            except PreflightError as e:  # this machine's limits (no GPU, no hub): the config itself is valid
+                note = f"note: the config is valid, but it {e}"
+            if note is None or cfg.data.source == "file":  # the recipe's own files are read wherever it runs
+                train, held = load_task(cfg)  # the data through the field mapping, the reward on one example
+                print(f"data: {len(train)} training prompts ({cfg.data.train})"
+                      + (f", {len(held)} held-out questions ({cfg.data.test})" if held else "")
+                      + f"; reward.fn={cfg.reward.fn} scored {train[0].id}", file=sys.stderr)
+            if note:
+                print(note, file=sys.stderr)
             return 0
         preflight(cfg, a.command, a.ckpt)
-    except (ConfigError, PreflightError) as e:
+    except (ConfigError, PreflightError, DataError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         if a.command == "eval":
             from forge_core.evaluate import evaluate
 
-            import torch
-
-            torch.set_num_threads(os.cpu_count() or 1)
-            res = evaluate(cfg, a.ckpt)
+            res = evaluate(cfg, a.ckpt, engine=a.engine)
             print(json.dumps(res, indent=2))
             if a.ckpt:
                 try:
@@ -145,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps({k: row[k] for k in ("step", "reward_mean", "accuracy", "loss", "elapsed_s") if k in row}))
         print(f"metrics: {out}/metrics.jsonl  plot: {out}/reward.png  final checkpoint: {out}/final")
         return 0
-    except (DataError, ModelSourceError, FileNotFoundError) as e:
+    except (DataError, RewardError, ModelSourceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunFailed as e:  # an actor that failed beyond recovery (ActorFailed), diverged training, ...

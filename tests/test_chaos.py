@@ -1,7 +1,7 @@
 """Chaos: faults injected from outside into real CPU runs of the tiny model (``make chaos``).
 
 kill -9 of the generator, reward and reference processes at seeded random points, a hang
-(SIGSTOP), a NaN loss (a reward function that returns NaN once), damaged checkpoints before a
+(SIGSTOP), a NaN loss (a reward beyond float32's range, once), damaged checkpoints before a
 resume (a truncated newest one, one without a manifest), a full disk during a save (a small tmpfs)
 and the bad input of ``fault.max_restarts`` used up. Every surviving run must log steps 1..N
 exactly once, and its restart counters (faults.jsonl, the last metrics row) must match what was
@@ -31,7 +31,8 @@ from forge_core.config import load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.environ.get("GSM8K_DIR", "")
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
-        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3"]
+        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+        "eval.every=0", "eval.at_start=false"]
 # short deadlines, so that a hang is caught in ~10-20 s: call_timeout_s plus 0.01 s per token of work
 FAST_FAULTS = ["fault.call_timeout_s=10", "fault.timeout_per_token_s=0.01", "weight_sync.timeout_s=10"]
 SEED = int(os.environ.get("FORGE_CHAOS_SEED", "1234"))
@@ -303,15 +304,19 @@ def test_max_restarts_exhausted_stops_naming_the_actor(tmp_path):
 # ---- NaN loss, damaged checkpoints -----------------------------------------------------------------
 
 NAN_REWARD = '''
-"""Chaos test reward term: NaN for the 9th episode ever scored (counted in a file beside this
-module, so a respawned reward actor does not reset the count), else 0."""
+"""Chaos test reward: the built-in gsm8k reward, plus 1e39 for the 10th call ever (the run's check
+before it starts, then the 1st episode of batch 2; counted in a file beside this module, so a respawned
+reward actor does not reset the count). 1e39 is a finite float (the reward passes the reward checks)
+beyond float32's range: the advantages overflow to inf and the loss of that batch is not finite."""
 import fcntl
 import os
+
+from forge_core.rewards import RewardConfig, gsm8k_components
 
 COUNT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scored.count")
 
 
-def nan_once(text, target):
+def nan_once(response, example):
     with open(COUNT, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
@@ -319,12 +324,12 @@ def nan_once(text, target):
         f.seek(0)
         f.truncate()
         f.write(str(n))
-    return float("nan") if n == 9 else 0.0
+    return dict(gsm8k_components(response, example, RewardConfig()), overflow=1e39 if n == 10 else 0.0)
 '''
 
 
 def test_nan_loss_then_damaged_checkpoints_on_resume(tmp_path):
-    """1) A NaN reward for one episode (the 9th scored: batch 2) makes the trainer skip that step:
+    """1) A reward beyond float32 for one episode (batch 2) makes the loss not finite: the trainer skips that step:
     skipped_batches == 1, steps 1..3 logged once. 2) The newest checkpoint (step 3) is truncated and
     the one before (step 2) loses its manifest: the rerun to 4 steps falls back to step 2 with a
     warning naming each, and logs steps 1..4 exactly once (step 3 trained again)."""
@@ -341,8 +346,8 @@ def test_nan_loss_then_damaged_checkpoints_on_resume(tmp_path):
     assert [r["skipped_batches"] for r in rows] == [0, 1, 1], [r["skipped_batches"] for r in rows]
     assert "step 2: non-finite loss" in out and "optimizer step skipped" in out
     assert all(r["loss"] == r["loss"] and r["reward_mean"] == r["reward_mean"] for r in rows)  # trained batches: finite
-    assert int((mod / "scored.count").read_text()) >= 9
-    RESULTS.append({"fault": "NaN loss (reward fn, one episode)", "run": run.dir, "survived": True,
+    assert int((mod / "scored.count").read_text()) >= 10
+    RESULTS.append({"fault": "NaN loss (a reward beyond float32, one episode)", "run": run.dir, "survived": True,
                     "lost": _steps_check(rows, 3)[0], "repeated": _steps_check(rows, 3)[1]})
 
     root = os.path.join(run.dir, "checkpoints")

@@ -55,12 +55,20 @@ def test_bad_override_names_the_key(override, key):
     ("advantage.estimator=foo", "advantage.estimator='foo' must be one of"), ("advantage.eps=-1", "advantage.eps must"),
     ("trainer.max_grad_norm=-1", "trainer.max_grad_norm must be > 0"), ("trainer.tp=0", "trainer.tp must be > 0"),
     ("trainer.betas=[2,3]", "trainer.betas=[2.0, 3.0] must be two numbers in [0, 1)"), ("trainer.betas=[0.9]", "betas"),
-    ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "no module 'no_such.module'"),
+    ("layout.nodes=0", "layout.nodes must be > 0"), ("reward.fn=no_such.module:fn", "cannot import no_such.module"),
+    ("reward.fn=forge_core.rewards:gsm8k_reward", "cannot be called as gsm8k_reward(response: str, example: dict)"),
+    ("reward.fn=reward.py:score", "smollm2_135m/reward.py:score': no file"),
+    ("eval.every=-1", "eval.every must be >= 0"), ("eval.samples=0", "eval.samples must be > 0"),
+    ("eval.top_p=0", "eval.top_p must be in (0, 1]"), ("eval.max_response_tokens=0", "eval.max_response_tokens must"),
+    ("eval.samples=4 eval.temperature=0", "eval.samples=4 with eval.temperature=0 (greedy) gives k identical"),
+    ("eval.every=5 data.test=", "evaluation is asked for (eval.every=5, eval.at_start"),
+    ("data.source=file data.train=", "data.source=file needs data.train"),
     ("layout.trainer.gpus=-2", "layout.trainer.gpus must be >= 0"),
-    ("data.split=validation", "data.split='validation' must be one of ('train', 'test')"),
+    ("data.source=csv", "data.source='csv' must be one of ('gsm8k', 'file', 'hub')"),
     ("layout.generator.replicas=0", "layout.generator.replicas must be > 0"),
-    ("generator.max_response_tokens=100000", "max_prompt_tokens + max_response_tokens = 100256 is more than "
-                                             "smollm2_135m's 8192 positions"),
+    ("generator.max_response_tokens=100000", "max_prompt_tokens + max_response_tokens (or eval.max_response_tokens) = "
+                                             "100256 is more than smollm2_135m's 8192 positions"),
+    ("eval.max_response_tokens=100000", "(or eval.max_response_tokens) = 100256 is more than"),
     ("trainer.lr=inf", "trainer.lr=inf must be a finite number"), ("loss.beta=inf", "loss.beta=inf must be a finite"),
     ("reward.format_weight=nan", "reward.format_weight=nan must be a finite number"),
     ("trainer.betas=[0.9,nan]", "trainer.betas=[0.9, nan] must be a finite number"),
@@ -72,7 +80,7 @@ def test_out_of_range_value_names_the_key(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         load_config("smollm2_135m", override.split())
     load_config("smollm2_135m", ["checkpoint.every=0", "fault.max_restarts=0", "generator.top_p=1.0", "trainer.lr=0",
-                                 "reward.fn=forge_core.rewards:gsm8k_reward", "trainer.betas=[0,0.95]",
+                                 "reward.fn=math", "trainer.betas=[0,0.95]",
                                  "buffer_capacity=16"])
 
 
@@ -190,7 +198,9 @@ def test_eval_of_a_checkpoint_scores_it_and_writes_eval_json(tmp_path):
              env={"GSM8K_DIR": str(data)})
     assert r.returncode == 0, r.stderr
     res = json.loads((ck / "eval.json").read_text())
-    assert res["n"] == 2 and res["model"] == str(ck) and 0 <= res["accuracy_strict"] <= 1, res
+    assert res["questions"] == 2 and res["model"] == str(ck) and res["engine"] == "hf", res
+    for k in ("pass@1", "accuracy_strict", "accuracy_flexible", "lm_eval_strict_match", "lm_eval_flexible_extract"):
+        assert 0 <= res[k] <= 1, (k, res)
     assert json.loads(r.stdout[r.stdout.index("{"):]) == res
 
 

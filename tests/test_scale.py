@@ -21,7 +21,8 @@ from forge_core.weight_sync import choose_transport
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.environ.get("GSM8K_DIR", "")
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
-        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3"]
+        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+        "eval.every=0", "eval.at_start=false"]
 needs_data = pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")
 
 
@@ -276,7 +277,7 @@ def test_replicas_dispatch_through_controller(tmp_path):
             assert all(e.policy_version == 0 for e in eps)
 
             # one real training step, and only replica 1 loads version 1
-            eps = await call("reward", c.svc.reward.score, eps)
+            eps, _ = await call("reward", c.svc.reward.score, eps)
             lists, _ = await call("reference", c.svc.reference.logprobs, eps)
             for e, lp in zip(eps, lists):
                 e.ref_logprobs = lp
@@ -335,7 +336,7 @@ def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
 
         async def _supervised(self, name, endpoint, episodes, **kw):
             if name == "reward":
-                return episodes
+                return episodes, None
             if self.fail_reference:
                 raise RuntimeError("reference stand-in failed")
             t0 = time.perf_counter()

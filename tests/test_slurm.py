@@ -22,7 +22,8 @@ from forge_core.config import ConfigError  # noqa: E402
 from launch import slurm  # noqa: E402
 
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
-        "generator.max_response_tokens=8", "trainer.micro_batch_size=4"]
+        "generator.max_response_tokens=8", "trainer.micro_batch_size=4",
+        "eval.every=0", "eval.at_start=false"]
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

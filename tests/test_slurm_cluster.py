@@ -54,7 +54,7 @@ if os.environ.get("SLURM_NODEID") == "1" and "submitit.core._submit" in sys.orig
 # The embedded recipe, tiny: 12 steps, a checkpoint every 3, the generator on node 1 (2nd node).
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
         "generator.max_response_tokens=8", "trainer.micro_batch_size=4", "steps=12", "checkpoint.every=3",
-        "checkpoint.keep=10", "layout.generator.host=1"]
+        "checkpoint.keep=10", "layout.generator.host=1", "eval.every=0", "eval.at_start=false"]
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 FIGURES: dict = {}
 

@@ -102,6 +102,18 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     return results
 
 
+def sampling_of(g: Any, sampling: Optional[dict] = None) -> dict:
+    """The sampling settings of a generate call: the rollout's (``generator`` section ``g``: group size,
+    temperature, top_p, max response tokens) as ``{"n", "temperature", "top_p", "max_tokens"}``, with
+    ``sampling``'s entries in their place (held-out evaluation). Raises KeyError for an unknown key."""
+    s = {"n": g.group_size, "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_response_tokens}
+    for k, v in (sampling or {}).items():
+        if k not in s:
+            raise KeyError(f"sampling key {k!r}: one of {sorted(s)}")
+        s[k] = v
+    return s
+
+
 def flatten_parameters(model: torch.nn.Module) -> tuple[torch.Tensor, list]:
     """Re-point every parameter of ``model`` at a view of one new flat buffer (same dtype), so that
     writing the buffer updates the model. Returns ``(flat, layout)`` with ``layout`` =
@@ -133,16 +145,18 @@ class Generator(Actor):
         replica: this replica's name (``generator`` or ``generator_<i>``); its staged weights are
             registered under it (:data:`forge_core.weight_sync.RECEIVERS`).
         cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.process.CoreShare` directory.
+        stop_after_answer: end a sample after a finished ``#### N`` line (the ``gsm8k`` reward reads
+            nothing beyond it; the tokens after it would only cost time).
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
-                 replica: str = "generator", cores_dir: str = ""):
+                 replica: str = "generator", cores_dir: str = "", stop_after_answer: bool = False):
         from omegaconf import OmegaConf
 
         from forge_core.models import ModelConfig
 
         self.g = OmegaConf.create(generator)
-        self.name, self.system_prompt = replica, system_prompt
+        self.name, self.system_prompt, self.stop_after_answer = replica, system_prompt, stop_after_answer
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, replica, threads)
         mc = ModelConfig(**model)
@@ -153,23 +167,27 @@ class Generator(Actor):
         self.version = 0
 
     @endpoint
-    async def generate(self, problems: list[Problem], seed: int) -> tuple[list[Episode], dict]:
+    async def generate(self, problems: list[Problem], seed: int,
+                       sampling: Optional[dict] = None) -> tuple[list[Episode], dict]:
         """G episodes per problem (problem-major order), and ``{"gen_s", "gen_tokens", "gen_tok_s"}``.
 
         ``seed`` seeds the sampler, so a batch is reproducible from (weights, problems, seed).
-        Every episode records ``policy_version`` = the version of the weights that sampled it.
+        ``sampling`` overrides the rollout's ``{"n", "temperature", "top_p", "max_tokens"}`` (held-out
+        evaluation; ``temperature`` 0: greedy). Every episode records ``policy_version`` = the version of
+        the weights that sampled it.
         """
-        g = self.g
+        s = sampling_of(self.g, sampling)
         t0 = time.perf_counter()
-        texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
+        texts = [chat_prompt(self.tok, p, self.system_prompt) for p in problems]
         with self.cores:
-            outs = hf_generate(self.model, self.tok, texts, g.group_size, g.max_response_tokens, g.max_prompt_tokens,
-                               g.temperature, g.top_p, seed=seed, every16=self.cores.refresh)
+            outs = hf_generate(self.model, self.tok, texts, s["n"], s["max_tokens"], self.g.max_prompt_tokens,
+                               s["temperature"] or 1.0, s["top_p"], greedy=s["temperature"] == 0, seed=seed,
+                               stop_after_answer=self.stop_after_answer, every16=self.cores.refresh)
         dt = time.perf_counter() - t0
-        eps = [Episode(prompt_id=problems[i // g.group_size].id, group=i // g.group_size,
-                       target=problems[i // g.group_size].answer, prompt_ids=o["prompt_ids"],
-                       response_ids=o["response_ids"], behaviour_logprobs=o["logprobs"], text=o["text"],
-                       policy_version=self.version, truncated=o["truncated"]) for i, o in enumerate(outs)]
+        eps = [Episode(prompt_id=problems[i // s["n"]].id, group=i // s["n"], target=problems[i // s["n"]].answer,
+                       example=problems[i // s["n"]].row, prompt_ids=o["prompt_ids"], response_ids=o["response_ids"],
+                       behaviour_logprobs=o["logprobs"], text=o["text"], policy_version=self.version,
+                       truncated=o["truncated"]) for i, o in enumerate(outs)]
         ntok = sum(len(e.response_ids) for e in eps)
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt}
 

@@ -1,39 +1,40 @@
-"""The reward actor: scores episodes with the GSM8K answer and format rewards."""
+"""The reward actor: scores episodes with the recipe's reward function (``reward.fn``)."""
 
 from __future__ import annotations
 
-import importlib
+from typing import Optional
 
 from monarch.actor import Actor, endpoint
 
 from forge_core.episode import Episode
-from forge_core.rewards import RewardConfig, gsm8k_reward
+from forge_core.rewards import RewardConfig, RewardError, is_correct, load_reward_fn, reward_components, total
 
 
 class RewardActor(Actor):
-    """Fills ``reward``, ``correct`` and ``formatted`` of each episode (:func:`gsm8k_reward`).
+    """Fills ``reward``, ``components``, ``correct`` and ``formatted`` of each episode with
+    ``reward.fn`` (:func:`forge_core.rewards.load_reward_fn`).
 
     Raises:
-        ValueError: ``reward.fn`` cannot be imported (names it).
+        RewardError: ``reward.fn`` cannot be loaded (names it).
     """
 
     def __init__(self, reward_cfg: dict):
         self.cfg = RewardConfig(**reward_cfg)
-        self.extra = None
-        if self.cfg.fn:
-            mod, _, name = self.cfg.fn.partition(":")
-            try:
-                self.extra = getattr(importlib.import_module(mod), name)
-            except (ImportError, AttributeError, ValueError) as e:
-                raise ValueError(f"reward.fn={self.cfg.fn!r}: cannot import it ({e}); "
-                                 f"expected 'package.module:function'")
+        self.fn = load_reward_fn(self.cfg)
 
     @endpoint
-    async def score(self, episodes: list[Episode]) -> list[Episode]:
-        """The same episodes, scored (plus ``reward.fn``'s term when set)."""
-        for e in episodes:
-            s = gsm8k_reward(e.text, e.target, self.cfg)
-            e.reward, e.correct, e.formatted = s.reward, s.correct, s.formatted
-            if self.extra is not None:
-                e.reward += float(self.extra(e.text, e.target))
-        return episodes
+    async def score(self, episodes: list[Episode]) -> tuple[list[Episode], Optional[str]]:
+        """The same episodes, scored, and ``None``; or, when the reward function raises or returns
+        something that is not a finite float or a dict of them, the episodes and the error message
+        (naming the function, the example and the value): a deterministic fault of the recipe, which
+        the controller stops on instead of respawning this actor."""
+        try:
+            for i, e in enumerate(episodes):
+                comps = reward_components(self.fn, self.cfg.fn, e.text, {**e.example, "target": e.target},
+                                          f"example {e.prompt_id} (response {i} of the batch)")
+                e.reward, e.correct = total(comps), is_correct(comps)
+                e.formatted = comps.get("format", 0.0) > 0
+                e.components = {k: v for k, v in comps.items() if k}
+        except RewardError as err:
+            return episodes, str(err)
+        return episodes, None

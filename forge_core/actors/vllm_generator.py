@@ -172,11 +172,15 @@ class VllmGenerator(Actor):
         colocated: share the GPU with the trainer (colocated mode, see the module docstring).
         per_node: GPUs on this node (the others stay visible, after the engine's own).
         bucket_mb: peer-GPU copy unit of weight updates (``weight_sync.bucket_mb``).
+        max_model_len: the engine's longest prompt + response (tokens; 0: the rollout's, from
+            ``generator``); held-out evaluation may generate longer responses than rollouts.
+        stop_after_answer: accepted for the CPU generator's interface; vLLM runs without a
+            detokenizer here, so samples end at EOS or the token budget only.
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
                  replica: str = "generator", gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0,
-                 bucket_mb: int = 1024):
+                 bucket_mb: int = 1024, max_model_len: int = 0, stop_after_answer: bool = False):
         from omegaconf import OmegaConf
 
         from forge_core.actors.process import setup_process
@@ -203,7 +207,7 @@ class VllmGenerator(Actor):
         self.tok = load_tokenizer(ModelConfig(**model))
         self.eos = self.tok.eos_token_id
         self.colocated, self.sleeps = colocated, colocated and g.sleep_level > 0
-        self.max_len = g.max_prompt_tokens + g.max_response_tokens
+        self.max_len = max(max_model_len, g.max_prompt_tokens + g.max_response_tokens)
         t0 = time.perf_counter()
         self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
         self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
@@ -240,15 +244,16 @@ class VllmGenerator(Actor):
     # ---- generation ---------------------------------------------------------------------------
     def prompt_ids(self, problems: list[Problem]) -> list[list[int]]:
         """Chat-formatted, tokenized prompts, left-truncated to ``generator.max_prompt_tokens``."""
-        texts = [chat_prompt(self.tok, p.question, self.system_prompt) for p in problems]
+        texts = [chat_prompt(self.tok, p, self.system_prompt) for p in problems]
         return [ids[-self.g.max_prompt_tokens:] for ids in self.tok(texts, add_special_tokens=False).input_ids]
 
-    def _sampling(self, n: int, max_tokens: int, ignore_eos: bool = False):
+    def _sampling(self, s: dict, ignore_eos: bool = False, seed: Optional[int] = None):
+        """vLLM ``SamplingParams`` for the settings ``s`` (:func:`~forge_core.actors.generator.sampling_of`)."""
         from vllm import SamplingParams
 
-        return SamplingParams(n=n, temperature=self.g.temperature, top_p=self.g.top_p, max_tokens=max_tokens,
+        return SamplingParams(n=s["n"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_tokens"],
                               logprobs=0, stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
-                              detokenize=False)
+                              detokenize=False, seed=seed)
 
     def _generate(self, prompts: list[list[int]], sp) -> list:
         from vllm.inputs import TokensPrompt
@@ -256,15 +261,22 @@ class VllmGenerator(Actor):
         return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 
     @endpoint
-    async def generate(self, problems: list[Problem], seed: int) -> tuple[list[Episode], dict]:
+    async def generate(self, problems: list[Problem], seed: int,
+                       sampling: Optional[dict] = None) -> tuple[list[Episode], dict]:
         """G episodes per problem (problem-major order) and ``{"gen_s", "gen_tokens", "gen_tok_s",
-        "wake_s", "sleep_s"}``. vLLM's sampler is seeded once per engine (``seed`` of the run):
-        per-request seeds would make its sampler loop over requests, so ``seed`` is recorded only."""
+        "wake_s", "sleep_s"}``. vLLM's sampler is seeded once per engine (``seed`` of the run): for
+        rollouts, per-request seeds would make its sampler loop over requests, so ``seed`` is recorded
+        only. ``sampling`` (held-out evaluation: ``{"n", "temperature", "top_p", "max_tokens"}``, see
+        :func:`~forge_core.actors.generator.sampling_of`) makes the requests seeded with ``seed``: the
+        evaluation is reproducible and leaves the engine's sampler state, so the rollouts, as they were."""
+        from forge_core.actors.generator import sampling_of
+
         async with self.lock:
             wake_s = self._wake(["weights", "kv_cache"])
             t0 = time.perf_counter()
             prompts = self.prompt_ids(problems)
-            outs = self._generate(prompts, self._sampling(self.g.group_size, self.g.max_response_tokens))
+            outs = self._generate(prompts, self._sampling(sampling_of(self.g, sampling),
+                                                          seed=seed if sampling else None))
             dt = time.perf_counter() - t0
             sleep_s = self._sleep()
         eps = self._episodes(outs, prompts, problems)
@@ -279,6 +291,7 @@ class VllmGenerator(Actor):
                 ids = list(c.token_ids)
                 text = self.tok.decode([t for t in ids if t < len(self.tok)], skip_special_tokens=True) if p else ""
                 eps.append(Episode(prompt_id=p.id if p else str(i), group=i, target=p.answer if p else "",
+                                   example=p.row if p else {},
                                    prompt_ids=prompts[i], response_ids=ids, text=text, policy_version=self.version,
                                    behaviour_logprobs=[pos[t].logprob for pos, t in zip(c.logprobs, ids)],
                                    truncated=c.finish_reason == "length"))
@@ -292,7 +305,8 @@ class VllmGenerator(Actor):
         async with self.lock:
             self._wake(["weights", "kv_cache"])
             t0 = time.perf_counter()
-            outs = self._generate(prompts, self._sampling(n, max_tokens, ignore_eos=True))
+            outs = self._generate(prompts, self._sampling(dict(n=n, temperature=self.g.temperature, top_p=self.g.top_p,
+                                                               max_tokens=max_tokens), ignore_eos=True))
             dt = time.perf_counter() - t0
         ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return (self._episodes(outs, prompts) if episodes else None), {"s": dt, "tokens": ntok, "tok_s": ntok / dt}

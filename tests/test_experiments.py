@@ -1,0 +1,149 @@
+"""A recipe folder as a whole experiment, end to end through the CLI with the tiny model: its own data
+(JSONL beside its config) and reward (``reward.py`` in the folder), held-out evaluation during the run
+(rows at the right steps and versions, training batches unchanged by it), and the bad input of that
+path (each refused before anything is written, or, at run time, stopping the run with checkpoints intact)."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
+        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+        "eval.every=0", "eval.at_start=false"]
+REWARD = '''
+def score(response, example):
+    """1 for the right sum, a small bonus for short answers."""
+    digits = "".join(c for c in response if c.isdigit())
+    return {"correct": float(digits == str(example["sum"])), "brevity": 0.1 * (len(response) < 8)}
+
+
+def nan_on_the_third_batch(response, example):
+    import os
+    path = os.path.join(os.path.dirname(__file__), "calls")
+    n = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    open(path, "w").write(str(n))
+    return float("nan") if n > 17 else 0.5 * (n % 2)  # 1 check call, then 8 calls a batch
+'''
+CONFIG = '''
+data:
+  source: file
+  train: data/train.jsonl
+  test: data/test.jsonl
+  prompt_field: q
+  answer_field: sum
+  system_prompt: Answer with the number only.
+reward:
+  fn: reward.py:score
+'''
+
+
+def copy_recipe(tmp_path, name="my_sums", rows=(40, 10)):
+    """``cp -r recipes/smollm2_135m <tmp>/<name>`` plus its own data (two JSONL files) and reward."""
+    d = tmp_path / name
+    shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
+    (d / "data").mkdir()
+    rng = random.Random(0)
+    for split, n in zip(("train", "test"), rows):
+        with open(d / "data" / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                a, b = rng.randint(1, 9), rng.randint(1, 9)
+                f.write(json.dumps({"q": f"{a} + {b} = ?", "sum": a + b}) + "\n")
+    (d / "reward.py").write_text(REWARD)
+    with open(d / "config.yaml", "a") as f:
+        f.write(CONFIG)
+    return d
+
+
+def cli(*args, timeout=600):
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "launch.local", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(l) for l in f]
+
+
+@pytest.mark.slow
+def test_a_copied_recipe_trains_on_its_own_data_and_reward_and_evaluates(tmp_path):
+    """The copy's own JSONL and reward.py: its reward's components are logged; held-out evaluation at
+    start and every 2 steps (and the last) logs rows at those steps with the version evaluated."""
+    d = copy_recipe(tmp_path)
+    r = cli("check", d, *TINY)
+    assert r.returncode == 0 and "40 training prompts" in r.stderr and "reward.py:score" in r.stdout, r.stderr
+    r = cli("run", d, *TINY, "steps=3", "eval.every=2", "eval.at_start=true", "eval.num_questions=4",
+            f"output_dir={tmp_path}/runs", "run_id=a")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(tmp_path / "runs" / "a")
+    steps = [x for x in got if "reward_mean" in x]
+    evals = [x for x in got if "eval/pass@1" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    assert all({"reward/correct", "reward/brevity", "entropy"} <= set(x) for x in steps), steps[0]
+    assert all(x["reward_mean"] == pytest.approx(x["reward/correct"] + x["reward/brevity"]) for x in steps)
+    assert [(x["step"], x["eval/policy_version"]) for x in evals] == [(0, 0), (2, 2), (3, 3)]
+    assert all(x["eval/questions"] == 4 and "eval/reward/brevity" in x and x["eval/entropy"] > 0 for x in evals)
+    assert (tmp_path / "runs" / "a" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_evaluation_does_not_change_the_training_batches(tmp_path):
+    """The same run with and without evaluation trains on the same batches (``batch_hash``) with the
+    same losses: evaluation uses its own seed and no rollout state."""
+    base = ["steps=3", "max_staleness=0", f"output_dir={tmp_path}"]
+    for run_id, ev in (("plain", []), ("eval", ["eval.every=1", "eval.at_start=true", "eval.num_questions=3",
+                                                "eval.samples=2", "eval.temperature=1.0"])):
+        r = cli("run", "smollm2_135m", *TINY, *base, *ev, f"run_id={run_id}")
+        assert r.returncode == 0, r.stderr[-3000:]
+    plain, ev = rows(tmp_path / "plain"), rows(tmp_path / "eval")
+    trained = [x for x in ev if "batch_hash" in x]
+    assert [x["batch_hash"] for x in trained] == [x["batch_hash"] for x in plain]
+    assert [x["loss"] for x in trained] == [x["loss"] for x in plain]
+    assert [x["step"] for x in ev if "eval/pass@1" in x] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_bad_experiment_input_is_refused_before_anything_is_written(tmp_path):
+    """Each refused by ``check`` and by ``run`` (exit 2) naming the file, field or function, with no run
+    directory written: a data file that does not exist, a field not in the data (the fields it has are
+    listed), a misspelled reward function (its functions listed), a reward with the wrong signature,
+    prompts_per_step beyond the data, evaluation without a held-out split."""
+    d = copy_recipe(tmp_path, rows=(3, 2))
+    (d / "reward.py").write_text(REWARD + "\ndef one(response):\n    return 1.0\n")
+    cases = [(["data.train=data/nope.jsonl"], "my_sums/data/nope.jsonl"),
+             (["data.prompt_field=question"], "train.jsonl:1: no field 'question' (data.prompt_field); the row has "
+                                              "['q', 'sum']"),
+             (["reward.fn=reward.py:scor"], "has no function 'scor' (its functions: ['nan_on_the_third_batch', "
+                                            "'one', 'score'])"),
+             (["reward.fn=reward.py:one"], "one(response) cannot be called as one(response: str, example: dict)"),
+             (["prompts_per_step=4"], "prompts_per_step=4 is more than the 3 training prompts"),
+             (["data.test=", "eval.every=1"], "data.test is empty")]
+    for i, (over, says) in enumerate(cases):
+        args = [*TINY, *over, f"output_dir={tmp_path}/runs"]
+        for cmd in ("check", "run") if i < 3 else ("run",):  # check and run share the code (load_task)
+            r = cli(cmd, d, *args)
+            assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (cmd, over, r.stderr)
+        assert not (tmp_path / "runs").exists(), over
+
+
+@pytest.mark.slow
+def test_a_reward_returning_nan_stops_the_run_naming_it_with_checkpoints_intact(tmp_path):
+    """NaN from the recipe's reward at run time (the third batch) stops the run with exit 1, naming the
+    function, the example and the value; no respawn of the reward actor; step 1's checkpoint stays."""
+    d = copy_recipe(tmp_path)
+    r = cli("run", d, *TINY, "reward.fn=reward.py:nan_on_the_third_batch", "steps=4", "max_staleness=0",
+            "checkpoint.every=1", f"output_dir={tmp_path}/runs", "run_id=n")
+    assert r.returncode == 1, r.stderr[-3000:]
+    err = r.stderr
+    assert "reward.fn=" in err and "nan_on_the_third_batch' returned nan on example " in err and "data/train.jsonl:" \
+        in err and "checkpoints and metrics written so far are intact" in err, err[-3000:]
+    assert "respawned" not in err and "Traceback" not in err, err[-3000:]
+    run = tmp_path / "runs" / "n"
+    assert [x["step"] for x in rows(run)] == [1, 2]
+    assert (run / "checkpoints" / "step_000002" / "model.safetensors").is_file()
