@@ -39,15 +39,17 @@ def pick_engine(engine: str = "auto") -> str:
     return "vllm" if engine == "vllm" or (engine == "auto" and usable) else "hf"
 
 
-def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine: str = "auto") -> dict:
+def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine: str = "auto",
+             llm: Any = None) -> dict:
     """Evaluate ``ckpt`` (an HF-format checkpoint directory: ``config.json`` + ``model.safetensors``,
     e.g. ``runs/<recipe>/<run>/final``; ``None``: the recipe's base model) on ``cfg``'s held-out subset
     (see the module docstring) with ``engine`` (``auto``, ``vllm`` or ``hf``, :func:`pick_engine`).
-    A checkpoint's own tokenizer files are used when it has them (``final/`` does).
+    A checkpoint's own tokenizer files are used when it has them (``final/`` does). ``llm``: a vLLM
+    engine of that checkpoint to use (:func:`vllm_engine`; a benchmark reuses one), else one is built.
 
     Returns ``{"model", "engine", "questions", "k", "pass@1", "pass@k" (k > 1), "reward_mean",
     "reward/<component>", "format_rate", "response_len_mean", "truncated_frac", "gen_s" (seconds of
-    generation), "gen_tok_s" (generated tokens per second), "seconds"}`` plus, for the ``gsm8k``
+    generation, the model's loading apart), "gen_tok_s" (generated tokens per second), "seconds" (all)}`` plus, for the ``gsm8k``
     reward, ``"accuracy_strict"``, ``"accuracy_flexible"``, ``"lm_eval_strict_match"`` and
     ``"lm_eval_flexible_extract"`` (means over all samples).
 
@@ -66,12 +68,15 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine
     problems = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed)
     texts = [chat_prompt(tok, p, cfg.data.system_prompt) for p in problems]
     max_tokens = e.max_response_tokens or cfg.generator.max_response_tokens
-    engine = pick_engine(engine)
-    tg = time.perf_counter()
+    engine = "vllm" if llm is not None else pick_engine(engine)
     if engine == "vllm":
-        outs = _vllm_generate(cfg, ckpt, tok, texts, max_tokens, progress)
+        llm = llm or vllm_engine(cfg, ckpt, max_tokens)
+        tg = time.perf_counter()
+        outs = vllm_generate(cfg, llm, tok, texts, max_tokens, progress)
     else:
-        outs = _hf_generate(cfg, ckpt, tok, texts, max_tokens, progress)
+        model = _hf_model(cfg, ckpt, tok)
+        tg = time.perf_counter()
+        outs = _hf_generate(cfg, model, tok, texts, max_tokens, progress)
     gen_s = time.perf_counter() - tg
     fn, k = load_reward_fn(cfg.reward), e.samples
     scored = []
@@ -109,11 +114,10 @@ def _sampling(cfg: Any, max_tokens: int) -> dict:
     return {"n": e.samples, "temperature": e.temperature, "top_p": e.top_p, "max_tokens": max_tokens}
 
 
-def _hf_generate(cfg: Any, ckpt: Optional[str], tok: Any, texts: list[str], max_tokens: int, progress: bool) -> list:
-    """Batches of ``eval.batch_size`` prompts through transformers' ``generate`` on the CPU, with a tqdm bar."""
+def _hf_model(cfg: Any, ckpt: Optional[str], tok: Any) -> Any:
+    """The checkpoint (or the recipe's model) for transformers on the CPU, in ``generator.dtype``."""
     import torch
 
-    from forge_core.actors.generator import hf_generate
     from forge_core.actors.process import resolve_dtype
     from forge_core.models import gqa_sdpa, load_model
 
@@ -130,6 +134,13 @@ def _hf_generate(cfg: Any, ckpt: Optional[str], tok: Any, texts: list[str], max_
     if len(tok) > model.config.vocab_size:
         raise ModelSourceError(f"CKPT={ckpt or cfg.model.name}: a vocabulary of {model.config.vocab_size} ids, "
                                f"fewer than its tokenizer's {len(tok)}: a checkpoint of another model than RECIPE's?")
+    return model
+
+
+def _hf_generate(cfg: Any, model: Any, tok: Any, texts: list[str], max_tokens: int, progress: bool) -> list:
+    """Batches of ``eval.batch_size`` prompts through transformers' ``generate`` on the CPU, with a tqdm bar."""
+    from forge_core.actors.generator import hf_generate
+
     s, out = _sampling(cfg, max_tokens), []
     with tqdm(total=len(texts), desc="eval", unit="q", disable=not progress) as bar:
         for i in range(0, len(texts), cfg.eval.batch_size):
@@ -141,29 +152,48 @@ def _hf_generate(cfg: Any, ckpt: Optional[str], tok: Any, texts: list[str], max_
     return out
 
 
-def _vllm_generate(cfg: Any, ckpt: Optional[str], tok: Any, texts: list[str], max_tokens: int,
-                   progress: bool) -> list:
-    """All prompts in one ``LLM.generate`` (vLLM batches and schedules them; its own progress bar),
-    token ids in and out (``skip_tokenizer_init``: the recipe's tokenizer makes the prompts), seeded
-    with ``eval.seed``."""
+def vllm_engine(cfg: Any, ckpt: Optional[str], max_tokens: int) -> Any:
+    """A vLLM engine of checkpoint ``ckpt`` (``None``: the recipe's pretrained weights) for
+    evaluation: bf16, ``skip_tokenizer_init`` (the recipe's tokenizer makes the prompts), room for
+    ``generator.max_prompt_tokens + max_tokens``, ``generator.gpu_memory_utilization`` of the GPU.
+    Raises ModelSourceError when there are no weights (random init) or vLLM cannot load them."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as the generator's
+    from vllm import LLM
 
     path = ckpt or pretrained_dir(cfg.model)
     if path is None:
         raise ModelSourceError(f"model {cfg.model.name} has random weights (model.init=random): nothing to evaluate")
-    P = cfg.generator.max_prompt_tokens
-    ids = [x[-P:] for x in tok(texts, add_special_tokens=False).input_ids]
     try:
-        llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=P + max_tokens,
-                  gpu_memory_utilization=cfg.generator.gpu_memory_utilization, seed=cfg.eval.seed)
+        return LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16",
+                   max_model_len=cfg.generator.max_prompt_tokens + max_tokens,
+                   gpu_memory_utilization=cfg.generator.gpu_memory_utilization, seed=cfg.eval.seed)
     except Exception as err:
         raise ModelSourceError(f"CKPT={path}: vLLM cannot load it: {type(err).__name__}: {str(err)[:500]}") from None
+
+
+def vllm_prompts(cfg: Any, tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of the chat-formatted ``texts``, left-truncated to ``generator.max_prompt_tokens``."""
+    return [x[-cfg.generator.max_prompt_tokens:] for x in tok(texts, add_special_tokens=False).input_ids]
+
+
+def vllm_sampling(cfg: Any, tok: Any, max_tokens: int) -> Any:
+    """The evaluation's ``SamplingParams``: ``eval.samples`` per prompt, ``eval.temperature`` (0:
+    greedy) and ``top_p``, EOS stops, token ids only, seeded with ``eval.seed``."""
+    from vllm import SamplingParams
+
     s = _sampling(cfg, max_tokens)
-    sp = SamplingParams(n=s["n"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=max_tokens,
-                        stop_token_ids=[tok.eos_token_id], detokenize=False, seed=cfg.eval.seed)
-    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=progress)
+    return SamplingParams(n=s["n"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=max_tokens,
+                          stop_token_ids=[tok.eos_token_id], detokenize=False, seed=cfg.eval.seed)
+
+
+def vllm_generate(cfg: Any, llm: Any, tok: Any, texts: list[str], max_tokens: int, progress: bool) -> list:
+    """All prompts in one ``LLM.generate`` (vLLM batches and schedules them; its own progress bar),
+    token ids in and out; the responses decoded with the recipe's tokenizer."""
+    from vllm.inputs import TokensPrompt
+
+    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in vllm_prompts(cfg, tok, texts)],
+                       vllm_sampling(cfg, tok, max_tokens), use_tqdm=progress)
     out = []
     for o in res:
         for c in o.outputs:
