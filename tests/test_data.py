@@ -193,3 +193,19 @@ def test_hub_source_with_field_mapping_against_a_local_fixture(tmp_path, monkeyp
     with pytest.raises(DataError, match=r"could not load .*split 'validation'"):
         load_split(_cfg(source="hub", hub_id=hub_id, hub_config="algebra", train="validation",
                         prompt_field="problem"), "train")
+
+
+def test_the_math_recipes_hub_mapping_against_a_local_fixture(tmp_path, monkeypatch):
+    """recipes/qwen3_1_7b_math as it is, its hub_id pointed at a fixture in EleutherAI/hendrycks_math's
+    layout: its config (algebra), splits and field mapping load, and its `math` reward scores a response
+    with the solution's boxed answer as correct and another as wrong."""
+    from forge_core.config import load_config
+    from forge_core.rewards import load_reward_fn
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = load_config("qwen3_1_7b_math", [f"data.hub_id={_hendrycks_math_fixture(tmp_path)}"])
+    train, test = load_split(cfg.data, "train"), load_split(cfg.data, "test")
+    assert [p.prompt for p in train][0] == "[algebra] What is $1+1$?" and len(test) == 1
+    fn = load_reward_fn(cfg.reward)
+    ex = {**test[0].row, "target": test[0].answer}
+    assert fn("So the sum is \\boxed{1}.", ex)["correct"] == 1.0 and fn("\\boxed{2}", ex)["correct"] == 0.0

@@ -147,3 +147,34 @@ def test_a_reward_returning_nan_stops_the_run_naming_it_with_checkpoints_intact(
     run = tmp_path / "runs" / "n"
     assert [x["step"] for x in rows(run)] == [1, 2]
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+
+
+def test_a_fault_warning_keeps_the_error_whole():
+    """A respawn warning quotes the actor's exception (the last line of its error, after a traceback),
+    cut at a word boundary, never mid-path."""
+    from forge_core.controller import _brief
+
+    path = "/tmp/some/very/long/" + "directory/" * 40 + "file.py"
+    err = RuntimeError(f"Traceback (most recent call last):\n  File \"{path}\", line 3, in f\n"
+                       f"ValueError: weight layout mismatch between trainer and generator_1")
+    assert _brief(err) == "ValueError: weight layout mismatch between trainer and generator_1"
+    long = RuntimeError("x " * 300)
+    assert _brief(long).endswith(" ...") and len(_brief(long)) <= 404
+
+
+def test_the_arithmetic_recipes_data_is_what_its_script_writes(tmp_path):
+    """recipes/smollm2_135m_arith ships data/*.jsonl; make_data.py writes the same bytes (seeded), with
+    no held-out fact among the training facts (not even with its operands swapped)."""
+    d = os.path.join(ROOT, "recipes", "smollm2_135m_arith")
+    shutil.copy(os.path.join(d, "make_data.py"), tmp_path)
+    subprocess.run([sys.executable, str(tmp_path / "make_data.py")], check=True, capture_output=True)
+    for split in ("train", "test"):
+        with open(os.path.join(d, "data", f"{split}.jsonl")) as a, open(tmp_path / "data" / f"{split}.jsonl") as b:
+            assert a.read() == b.read(), split
+    rows = {s: [json.loads(l) for l in open(os.path.join(d, "data", f"{s}.jsonl"))] for s in ("train", "test")}
+    def key(r):  # the operation and its two single-digit operands, unordered
+        x, y = (int(v) for v in r["question"].split("?")[0].split()[2::2])
+        a, b = {"+": (x, y), "x": (x, y), "-": (x - y, y), "/": (y, x // y)}[r["op"]]
+        return r["op"], min(a, b), max(a, b)
+    assert not {key(r) for r in rows["test"]} & {key(r) for r in rows["train"]}
+    assert (len(rows["train"]), len(rows["test"])) == (195, 61)

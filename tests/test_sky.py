@@ -212,10 +212,18 @@ def test_task_file_is_valid_and_complete(task_file):
 
 
 def test_shipped_recipes_resolve_from_cluster_shape():
-    # A plain `sky launch recipes/<name>/sky.yaml` (no FORGE_RECIPE) finds its recipe.
+    # A plain `sky launch recipes/<name>/sky.yaml` (no FORGE_RECIPE) finds its recipe when no other
+    # shipped recipe has its shape; recipes sharing a shape stop with an error naming each of them.
+    shapes: dict = {}
     for name in RECIPES:
-        nodes, gpus = sn.recipe_shape(name)
-        assert Path(sn.resolve_recipe(nodes, gpus, env={})).name == name
+        shapes.setdefault(sn.recipe_shape(name), []).append(name)
+    for (nodes, gpus), names in shapes.items():
+        if len(names) == 1:
+            assert Path(sn.resolve_recipe(nodes, gpus, env={})).name == names[0]
+        else:
+            with pytest.raises(sn.SkyError) as e:
+                sn.resolve_recipe(nodes, gpus, env={})
+            assert all(f"recipes/{n}" in str(e.value) for n in names) and "FORGE_RECIPE" in str(e.value)
     assert Path(sn.resolve_recipe(9, 9, env={"FORGE_RECIPE": "qwen3_8b"})).name == "qwen3_8b"
     assert Path(sn.resolve_recipe(9, 9, env={"FORGE_RECIPE": "recipes/qwen3_8b"})).name == "qwen3_8b"
     with pytest.raises(sn.SkyError, match="FORGE_RECIPE"):
