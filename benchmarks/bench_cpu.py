@@ -160,11 +160,13 @@ def main() -> None:
             t0 = time.perf_counter()
             with torch.no_grad():
                 for idx, _ in batches:
-                    logprobs_of(net, eps, idx, R, 0.7, torch.device("cpu"), 0, 1024, select)
+                    logprobs_of(net, eps, idx, R, temperature=0.7, device=torch.device("cpu"), budget=0, chunk=1024,
+                                select=select)
             ref_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             for idx, _ in batches:
-                logprobs_of(net, eps, idx, R, 0.7, torch.device("cpu"), 0, 1024, select).sum().backward()
+                logprobs_of(net, eps, idx, R, temperature=0.7, device=torch.device("cpu"), budget=0, chunk=1024,
+                            select=select).sum().backward()
         opt.step()
         train_s = time.perf_counter() - t0
         row(f"reference logprobs, {len(eps)} episodes ({tokens} tokens)", th,

@@ -344,7 +344,8 @@ def packed_vs_padded(cfg, eps: list) -> dict:
             lps = []
             for i in range(0, len(eps), 4):
                 idx = list(range(i, min(i + 4, len(eps))))
-                lps.append(logprobs_of(m, eps, idx, R, 1.0, dev, budget, 1024, titan.PositionSelect(m)))
+                lps.append(logprobs_of(m, eps, idx, R, temperature=1.0, device=dev, budget=budget, chunk=1024,
+                                       select=titan.PositionSelect(m)))
         out.append(torch.cat(lps))
         del m
         torch.cuda.empty_cache()

@@ -3,8 +3,9 @@ fallback to the previous checkpoint, rotation.
 
 ``<run>/checkpoints/step_NNNNNN/`` holds the trainer's files (``model.safetensors``, ``config.json``,
 ``optimizer.rank<r>.pt``, ``trainer.json``), the replay buffer (``buffer.pt``), the controller's
-state (``controller.json``: step, rollout batch counter, data position) and, written last,
-``manifest.json``: ``{"step", "files": {relative path: {"bytes", "sha256"}}}``. The directory is
+state (``controller.json``: step, rollout batch counter, refills, data position, fault counters;
+:func:`write_state`, :func:`read_state`) and, written last, ``manifest.json``:
+``{"step", "files": {relative path: {"bytes", "sha256"}}}``. The directory is
 written as ``step_NNNNNN.tmp`` and renamed, so a save cut short (a crash, a full disk) never looks
 like a checkpoint; the previous one stays as it was.
 """
@@ -19,12 +20,46 @@ import shutil
 import sys
 from typing import Optional
 
-MANIFEST = "manifest.json"
+import torch
+
+MANIFEST, CONTROLLER, BUFFER = "manifest.json", "controller.json", "buffer.pt"
 
 
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_state(path: str, state: dict, episodes: list) -> None:
+    """Finish the checkpoint directory ``path`` (the trainer's files already in it): the replay
+    buffer's ``episodes`` (``buffer.pt``: ``{"episodes": [...]}``), the controller's ``state``
+    (``controller.json``, from ``Controller.state_dict``; its ``step`` names the checkpoint) and,
+    last, the manifest (:func:`write_manifest`). Raises OSError or RuntimeError (a short
+    ``torch.save`` write) when the disk fails; see :func:`disk_full`."""
+    torch.save({"episodes": episodes}, os.path.join(path, BUFFER))
+    with open(os.path.join(path, CONTROLLER), "w") as f:
+        json.dump(state, f)
+    write_manifest(path, state["step"])
+
+
+def read_state(path: str) -> tuple[dict, list]:
+    """``(controller state, replay buffer episodes)`` of the checkpoint at ``path``, as
+    :func:`write_state` wrote them. Raises OSError for a missing file, ValueError for a damaged
+    ``controller.json``."""
+    with open(os.path.join(path, CONTROLLER)) as f:
+        state = json.load(f)
+    return state, torch.load(os.path.join(path, BUFFER), weights_only=False)["episodes"]
+
+
+def commit(tmp: str, keep: int) -> str:
+    """Make the finished checkpoint ``tmp`` (``step_NNNNNN.tmp``) the checkpoint ``step_NNNNNN``
+    (an earlier one of that name replaced) and delete all but the newest ``keep`` (:func:`rotate`).
+    Returns the checkpoint's path."""
+    final = tmp.removesuffix(".tmp")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    rotate(os.path.dirname(final), keep)
+    return final
 
 
 def write_manifest(path: str, step: int) -> dict:
@@ -72,7 +107,7 @@ def complete(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     return [os.path.join(root, d) for d in sorted(os.listdir(root)) if d.startswith("step_")
-            and not d.endswith(".tmp") and os.path.isfile(os.path.join(root, d, "controller.json"))]
+            and not d.endswith(".tmp") and os.path.isfile(os.path.join(root, d, CONTROLLER))]
 
 
 def resume_point(root: str) -> Optional[str]:

@@ -27,7 +27,11 @@ replicas are eligible), so the reference's forward is off the rollout path. A ch
 a quiet point (no batch generating or being finished, sync done), so a resumed run sees exactly the
 batch the uninterrupted run would have seen. Spawning and placing the actors is
 :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`; checkpoint files
-:mod:`forge_core.checkpoint`.
+:mod:`forge_core.checkpoint`; the metrics row :func:`forge_core.metrics.step_row`.
+
+This module reads top-down: :meth:`Controller.run` and the training loop (``_run``), then their
+helpers in the order the loop uses them (start, next batch, weight sync, evaluation, checkpoints),
+the rollout loop, fault supervision; the module's helper functions last.
 
 Faults inside a run (``fault.*``): every actor call has a deadline from the work it carries; a
 generator replica, the reward or the reference that dies or misses its deadline is killed, respawned
@@ -43,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -60,129 +63,11 @@ from forge_core import checkpoint
 from forge_core.advantages import compute_advantages
 from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split
 from forge_core.episode import Episode
-from forge_core.metrics import MetricsLog, plot_rewards
+from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, step_row
 from forge_core.rewards import load_reward_fn, reward_components
 from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, eval_max_tokens,
                                  spawn_services)
 from forge_core.weight_sync import choose_transport
-
-
-class Dispatcher:
-    """Spreads the prompt groups of a rollout batch over ``replicas`` generator replicas. A group is
-    never split; each goes to the replica expected to finish it first, from its outstanding groups
-    and measured speed (an exponential moving average of groups per second, the newest measurement
-    weighted ``alpha``), so a slow replica gets less work. Pure bookkeeping, no actor calls."""
-
-    def __init__(self, replicas: int, alpha: float = 0.5):
-        self.rate: list[Optional[float]] = [None] * replicas  # groups / s
-        self.outstanding, self.alpha = [0] * replicas, alpha
-
-    def assign(self, n_groups: int, eligible: list[int]) -> dict[int, list[int]]:
-        """``{replica: [group indices]}`` for ``n_groups`` groups over the ``eligible`` replicas
-        (their outstanding counts grow by what they get). Raises ValueError when none is eligible."""
-        if not eligible:
-            raise ValueError("no generator replica is eligible (all too stale)")
-        known = [r for r in self.rate if r]
-        default = statistics.fmean(known) if known else 1.0
-        out: dict[int, list[int]] = {r: [] for r in eligible}
-        for g in range(n_groups):
-            best = min(eligible, key=lambda r: ((self.outstanding[r] + 1) / (self.rate[r] or default), r))
-            out[best].append(g)
-            self.outstanding[best] += 1
-        return {r: gs for r, gs in out.items() if gs}
-
-    def done(self, replica: int, groups: int, seconds: float) -> None:
-        """Record that ``replica`` finished ``groups`` groups in ``seconds``."""
-        self.outstanding[replica] -= groups
-        if groups and seconds > 0:
-            r, old = groups / seconds, self.rate[replica]
-            self.rate[replica] = r if old is None else self.alpha * r + (1 - self.alpha) * old
-
-
-def batch_hash(episodes: list[Episode]) -> int:
-    """A 52-bit fingerprint (a JSON-exact integer) of a training batch: prompt and response token
-    ids, prompt ids and policy versions, in order. Equal hashes at a step = the same batch."""
-    key = json.dumps([[e.prompt_id, e.prompt_ids, e.response_ids, e.policy_version] for e in episodes])
-    return int(hashlib.sha256(key.encode()).hexdigest()[:13], 16)
-
-
-def _batch_stats(episodes: list[Episode], step: Optional[int] = None, prefix: str = "") -> dict:
-    """Means over scored ``episodes``: reward (and its std), each reward component (``reward/<name>``),
-    accuracy, format rate, response length, truncation, the policy's entropy (below) and, with
-    ``step``, the off-policy staleness. ``entropy``: the mean over response tokens of ``-log pi(y_t)``
-    under the sampling policy (the behaviour logprobs): a Monte-Carlo estimate of the per-token entropy
-    of the tempered distribution sampled from (``E_{y~pi}[-log pi(y)] = H(pi)``), cheap and exact in
-    expectation; it falls as the policy collapses onto few continuations. Keys get ``prefix``."""
-    rewards, lens = [e.reward for e in episodes], [len(e.response_ids) for e in episodes]
-    lps = [lp for e in episodes for lp in e.behaviour_logprobs]
-    comps = sorted({k for e in episodes for k in e.components})
-    out = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-           **{f"reward/{k}": statistics.fmean(e.components.get(k, 0.0) for e in episodes) for k in comps},
-           "accuracy": statistics.fmean(e.correct for e in episodes),
-           "format_rate": statistics.fmean(e.formatted for e in episodes),
-           "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
-           "truncated_frac": statistics.fmean(e.truncated for e in episodes),
-           "entropy": -statistics.fmean(lps) if lps else 0.0}
-    if step is not None:
-        stale = [step - e.policy_version for e in episodes]
-        out.update(staleness_mean=statistics.fmean(stale), staleness_max=max(stale))
-    return {prefix + k: v for k, v in out.items()}
-
-
-def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
-    """The run's training problems and its held-out evaluation subset (empty when ``eval.every`` is 0
-    and ``eval.at_start`` false), checked before anything starts or is written: both splits load
-    through the field mapping, one batch's worth of distinct prompts exists, and the reward function
-    answers one training example (its target as the response) with a finite float or a dict of them.
-
-    Raises:
-        DataError: a split that does not load (file, field, row: the message names them), or
-            ``prompts_per_step`` beyond the training rows.
-        RewardError: ``reward.fn`` cannot be loaded, raises, or returns something else (names it).
-    """
-    train = load_split(cfg.data, "train")
-    if len(train) < cfg.prompts_per_step:
-        raise DataError(f"prompts_per_step={cfg.prompts_per_step} is more than the {len(train)} training prompts "
-                        f"of data.train={cfg.data.train}: one batch would repeat prompts")
-    e = cfg.eval
-    held = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed) if e.every or e.at_start else []
-    p = train[0]
-    reward_components(load_reward_fn(cfg.reward), cfg.reward.fn, p.answer, {**p.row, "target": p.answer},
-                      f"example {p.id} (its target as the response, a check before the run)")
-    return train, held
-
-
-def _brief(error: BaseException, limit: int = 400) -> str:
-    """The gist of an actor's error for a one-line warning: its last non-empty line (an actor's error
-    ends with its exception after the traceback), cut at ``limit`` characters on a word boundary."""
-    lines = [l.strip() for l in str(error.__cause__ or error).splitlines() if l.strip()] or [repr(error)]
-    last = lines[-1]
-    return last if len(last) <= limit else last[:limit].rsplit(" ", 1)[0] + " ..."
-
-
-def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
-    """How each generator replica gets new weights: ``(transport, rank)`` for ``ipc`` (the trainer's
-    host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
-    ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
-    Prints every choice. Raises ValueError for an impossible explicit transport (``ipc`` across hosts)."""
-    t = svc.trainer
-    routes, leader, rank = [], {}, 0
-    for i, g in enumerate(svc.generators):
-        same = g.slot.host == t.slot.host
-        if not same and g.slot.host in leader:
-            src = svc.generators[leader[g.slot.host]]
-            how, why = "follow", "loads its staged copy over ipc: the bytes cross to a node once"
-            routes.append((how, leader[g.slot.host]))
-        else:
-            src = t
-            how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
-            rank += how == "nccl"
-            routes.append((how, rank if how == "nccl" else 0))
-            if not same:
-                leader[g.slot.host] = i
-        print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {src.name} (node {src.slot.host}): "
-              f"{how} ({why})", file=sys.stderr, flush=True)
-    return routes
 
 
 class Controller:
@@ -221,31 +106,318 @@ class Controller:
         self.mlog: Optional[MetricsLog] = None
         self.last_eval: dict = {}
 
-    async def _set(self, **attrs: Any) -> None:
-        """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
-        async with self.changed:
-            for k, v in attrs.items():
-                setattr(self, k, v)
-            self.changed.notify_all()
+    # ---- the run: set-up, the training loop, the end ------------------------------------------
+    async def run(self) -> dict:
+        """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
+        actor call fails (the message names the actor); checkpoints and metrics written so far stay intact.
+        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``,
+        and DataError or RewardError (:func:`load_task`) before anything is written."""
+        cfg = self.cfg
+        if not cfg.resume and (os.path.exists(os.path.join(self.out_dir, "metrics.jsonl"))
+                               or checkpoint.complete(self.ckpt_root)):
+            raise RunFailed(f"{self.out_dir} holds an earlier run (metrics.jsonl, checkpoints/): resume=false would "
+                            f"overwrite its metrics and mix its checkpoints with this run's; set another run_id, or "
+                            f"resume=true to go on from its last checkpoint")
+        train, self.held_out = load_task(cfg)  # bad data or reward: an error before anything is written
+        os.makedirs(self.out_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
+        self.source = PromptSource(train, cfg.data.seed)
+        t_start = time.perf_counter()
+        try:
+            self.svc = await spawn_services(cfg, self.hosts)
+            self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
+            return await self._run(t_start)
+        finally:
+            await self.shutdown()
+
+    async def _run(self, t_start: float) -> dict:
+        """The training loop (the module docstring's right column), after :meth:`start`: take a batch,
+        train one step, start the new version's weight sync (and its evaluation when due) in the
+        background, log one metrics row, checkpoint every ``checkpoint.every`` steps; at the end save
+        ``final/``. The rollout loop (:meth:`rollout_loop`) runs beside it as a task; its failures are
+        raised here. ``t_start``: :func:`time.perf_counter` at the start of :meth:`run`. Returns the
+        last step's row (empty when no step was left)."""
+        cfg, s = self.cfg, self.svc
+        await self.start()
+        startup_s = time.perf_counter() - t_start
+        # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
+        mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
+                                      os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
+        if cfg.eval.at_start and self.step == 0:  # version 0, beside the first rollout
+            self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True,
+                   disable=not self.progress)
+        rollouts = asyncio.create_task(self.rollout_loop())
+        row: dict = {}
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                episodes = await self._next_batch()
+                wait_s = time.perf_counter() - t0
+                if rollouts.done():
+                    rollouts.result()  # re-raise a rollout failure
+                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+                tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
+                if tm["skipped"]:
+                    self._skip(tm)
+                    continue
+                self.bad_in_a_row = 0
+                batch = {"batch_hash": batch_hash(episodes), **batch_stats(episodes, self.step)}  # of a trained batch
+                if self.sync_task is not None:
+                    await self.sync_task  # receivers may still read the buffer publish overwrites
+                prev_sync = dict(self.last_sync)
+                self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=self._eval_due(self.step + 1)))
+                self.step += 1
+                finished, self.rollout_stats = self.rollout_stats, []
+                # timings: of the rollouts finished during this step, else of the latest one (a row
+                # never reports a 0 s generation because the next rollout is still running)
+                self.last_rollouts = finished or self.last_rollouts
+                row = step_row(self.step, tm, batch, prev_sync, state=self.state_dict(), rollouts=finished,
+                               reported=self.last_rollouts,
+                               timings={"wait_for_rollout_s": wait_s, "step_s": time.perf_counter() - t0,
+                                        "elapsed_s": time.perf_counter() - t_start, "startup_s": startup_s})
+                mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
+                if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
+                    await self.save_checkpoint()
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                                loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s",
+                                **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"} if self.last_eval else {}))
+                bar.update(1)
+            rollouts.cancel()
+            if self.sync_task is not None:
+                await self.sync_task
+            await self.save_final()
+        finally:
+            rollouts.cancel()
+            for t in (rollouts, self.sync_task):  # retrieve a failure already raised elsewhere
+                if t is not None and t.done() and not t.cancelled():
+                    t.exception()
+            bar.close()
+            mlog.close()
+        return row
+
+    async def start(self) -> None:
+        """Load the initial weights everywhere (resuming from the newest checkpoint when
+        ``cfg.resume``): the reference takes the trainer's version 0 bit for bit, before a
+        checkpoint overwrites the trainer's weights; every replica then loads the trainer's
+        current version. Every call has ``fault.startup_timeout_s`` (a miss raises ActorFailed naming the actor)."""
+        s, t = self.svc, self.cfg.fault.startup_timeout_s
+        self.routes = sync_routes(s, self.cfg.weight_sync.transport)
+        if self.cfg.device == "cpu":
+            n = self.cfg.threads_per_actor
+            print(f"[forge] threads per actor: {n} (threads_per_actor={n})" if n else
+                  f"[forge] threads per actor: shared (threads_per_actor=0): the actors computing at the moment "
+                  f"split this host's {len(os.sched_getaffinity(0))} cores", file=sys.stderr, flush=True)
+        self.versions = [0] * len(s.generators)
+        self.dispatcher = Dispatcher(len(s.generators))
+        dtypes = {await call(g.name, g.get_dtype, timeout_s=t) for g in s.generators}  # each resolved its `auto`
+        if len(dtypes) > 1:
+            raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
+                            f"their hosts' CPUs differ; set generator.dtype explicitly")
+        ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
+        remote = s.reference.slot.host != s.trainer.slot.host
+        # the generators' weight dtype (what the trainer publishes) and the reference's; respawns keep them
+        s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype, timeout_s=t))
+        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"], timeout_s=t)
+        await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc", timeout_s=t)
+        self.tokenizer_files = await call(s.generator.name, s.generator.tokenizer_files, timeout_s=t)
+        self.ref_digest = await call("reference", s.reference.digest, timeout_s=t)
+        if ckpt:
+            await self.restore(ckpt)
+        await self.publish_and_sync()
+
+    async def shutdown(self) -> None:
+        """Stop every actor process (idempotent; nothing to do when spawning failed)."""
+        if self.svc is not None:
+            await self.svc.stop()
+
+    async def save_final(self) -> None:
+        """Write ``final/`` (the policy in HF safetensors, without optimizer state, and the tokenizer's
+        files) and ``reward.png``. Raises ActorFailed when the trainer's save fails, OSError on a write."""
+        final = os.path.join(self.out_dir, "final")
+        await call("trainer", self.svc.trainer.save, final, False)
+        for name, data in self.tokenizer_files.items():
+            with open(os.path.join(final, name), "wb") as f:
+                f.write(data)
+        plot_rewards(self.mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {self.cfg.recipe}")
+
+    # ---- the training loop's helpers --------------------------------------------------------
+    async def _next_batch(self) -> list[Episode]:
+        """The ``B`` episodes step ``self.step`` trains on, waiting for the rollouts as long as it takes.
+        Raises a failure of the rollout loop or of a weight sync (``background_error``)."""
+        while True:
+            batch = await call("replay_buffer", self.svc.buffer.sample, self.B, self.step, timeout_s=self._deadline(0))
+            async with self.changed:  # the size read under the lock: an add is in it, or wakes the wait below
+                self.buffered = await call("replay_buffer", self.svc.buffer.num_episodes, timeout_s=self._deadline(0))
+                if batch is not None:
+                    self.changed.notify_all()
+                    return batch
+                if not self.rollouts_in_flight and not self.refills and self.batches_made >= self._batches_wanted():
+                    self.lost_batches += 1  # nothing on the way, and the buffer evicted (part of) a batch
+                self.changed.notify_all()
+                await self.changed.wait_for(lambda: self.buffered >= self.B or self.background_error is not None)
+            if self.background_error is not None:
+                raise self.background_error
+
+    def _batches_wanted(self) -> int:
+        """Rollout batches the run trains on: one per step, plus the ones skipped or lost."""
+        return self.cfg.steps + self.skipped_batches + self.lost_batches
+
+    def _skip(self, tm: dict) -> None:
+        """A step the trainer skipped (non-finite loss or gradient norm): the batch is dropped and
+        counted, the step is taken again with the next batch. Raises RunFailed at
+        ``fault.max_bad_steps`` skips in a row."""
+        self.skipped_batches += 1
+        self.bad_in_a_row += 1
+        checkpoint.warn(f"step {self.step + 1}: non-finite loss ({tm.get('loss')}) or gradient norm "
+                        f"({tm.get('grad_norm')}); optimizer step skipped, batch dropped "
+                        f"({self.bad_in_a_row} in a row, fault.max_bad_steps={self.cfg.fault.max_bad_steps})")
+        if self.bad_in_a_row >= self.cfg.fault.max_bad_steps:
+            raise RunFailed(f"training stopped: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient "
+                            f"norm (fault.max_bad_steps={self.cfg.fault.max_bad_steps}); the last good step is "
+                            f"{self.step}: lower trainer.lr, check the rewards, or resume from a checkpoint")
+
+    # ---- weight sync -------------------------------------------------------------------------
+    async def publish_and_sync(self, sync: bool = True, evaluate: bool = False) -> None:
+        """Publish the trainer's current weights and bring every replica to them (under the sync lock);
+        then, with ``evaluate``, evaluate that version (:meth:`evaluate`), outside the lock, so that the
+        rollouts and a respawn go on meanwhile. The next version is published only once this task is
+        done (the training loop awaits it first), so the replicas hold the evaluated version throughout,
+        and training waits for an evaluation only when it outlasts the training step beside it.
+        A failure also becomes ``background_error``: the training loop may be waiting for a batch that
+        only the new version can generate (``max_staleness=0``)."""
+        try:
+            if sync:
+                async with self.sync_lock:
+                    await self._sync_locked()
+            if evaluate:
+                await self.evaluate()
+        except Exception as e:
+            await self._set(background_error=e)
+            raise
+
+    async def _sync_locked(self) -> None:
+        """Publish (starting the nccl broadcast when a route needs it), fetch and load one version (see
+        the module docstring; routes: :func:`sync_routes`). A replica that dies or hangs meanwhile is
+        respawned and the whole version published and loaded again (a new nccl group)."""
+        cfg, gens, routes = self.cfg, self.svc.generators, self.routes
+        nccl = sum(t == "nccl" for t, _ in routes)  # group members besides the trainer
+        handle = await call("trainer", self.svc.trainer.publish, any(t == "rdma" for t, _ in routes),
+                            nccl + 1 if nccl else 0, self.generation, self.svc.dtypes["generator"],
+                            timeout_s=cfg.fault.call_timeout_s)
+        t0 = time.perf_counter()
+        timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
+        # a load is a local copy, queued behind at most one generate call (a whole batch) of its replica
+        load_timeout = self._deadline(self.B * cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
+        failed: dict[int, ActorFailed] = {}  # replica -> its failed call of this sync
+        staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
+
+        async def guard(i: int, what: Any) -> Any:
+            try:
+                return await what
+            except ActorFailed as e:
+                failed[i] = e
+
+        async def load(i: int) -> dict:
+            t, j = routes[i]
+            args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
+            r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=load_timeout)
+            self.versions[i] = r["version"]
+            await self._set()
+            return r
+
+        fetch = [i for i, (t, _) in enumerate(routes) if t in ("nccl", "rdma")]
+        got = await asyncio.gather(*(guard(i, call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle,
+                                                   *routes[i], timeout_s=timeout)) for i in fetch))
+        if not failed:
+            for j in sorted({r for t, r in routes if t == "follow"}):
+                staged[j] = await guard(j, call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version,
+                                                timeout_s=cfg.fault.call_timeout_s))
+        if not failed:
+            await self._set(loading=True)
+            try:
+                loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+            finally:
+                await self._set(loading=False)
+        if failed:
+            for i, e in sorted(failed.items()):
+                self._count_restart(gens[i].name, e)
+                ta = time.perf_counter()
+                await self.svc.respawn(gens[i].name)
+                self._record_fault(gens[i].name, e, ta)
+            self.generation += 1
+            return await self._sync_locked()
+        transfer_s = max((f["transfer_s"] for f in got), default=0.0)
+        exposed = max(r["sync_s"] for r in loaded)
+        self.last_sync = {"weight_sync_s": time.perf_counter() - t0, "weight_transfer_s": transfer_s,
+                          "weight_sync_exposed_s": exposed,
+                          "weight_sync_gb_s": handle.nbytes / max(transfer_s or exposed, 1e-9) / 1e9,
+                          "weight_sync_mode": loaded[0].get("mode", "")}
+
+    # ---- held-out evaluation -----------------------------------------------------------------
+    def _eval_due(self, version: int) -> bool:
+        """Whether policy version ``version`` (after that many steps) is evaluated: every ``eval.every``
+        steps and the last step (version 0, ``eval.at_start``, is started by the run itself)."""
+        every = self.cfg.eval.every
+        return every > 0 and (version % every == 0 or version == self.cfg.steps)
+
+    async def evaluate(self) -> dict:
+        """Evaluate the policy the replicas hold on the held-out subset and log it (one ``metrics.jsonl``
+        row with ``eval/...`` keys, ``step`` = the version evaluated). The questions are spread over the
+        replicas as rollout groups are (whole questions, the replica expected to finish first), each
+        sampled ``eval.samples`` times with the evaluation's settings and a fixed seed, and scored by the
+        reward actor. pass@1 is the mean correctness of all samples; pass@k (k = ``eval.samples``) the
+        fraction of questions with at least one correct sample: the unbiased estimator of Chen et al.
+        2021 ("Evaluating Large Language Models Trained on Code", eq. 1) with n = k. Runs between two
+        syncs (see :meth:`publish_and_sync`), so every sample comes from the version evaluated (recorded
+        as ``eval/policy_version``). Returns the row."""
+        e, gens, t0 = self.cfg.eval, self.svc.generators, time.perf_counter()
+        sampling = {"n": e.samples, "temperature": e.temperature, "top_p": e.top_p,
+                    "max_tokens": eval_max_tokens(self.cfg)}
+        plan = self.dispatcher.assign(len(self.held_out), list(range(len(gens))))
+
+        async def one(r: int, idx: list[int]) -> list[Episode]:
+            ta = time.perf_counter()
+            eps, _ = await self._supervised(gens[r].name, "generate", [self.held_out[i] for i in idx], e.seed,
+                                            sampling, tokens=len(idx) * e.samples * sampling["max_tokens"])
+            self.dispatcher.done(r, len(idx), time.perf_counter() - ta)
+            return eps
+
+        got = await asyncio.gather(*(one(r, idx) for r, idx in plan.items()))
+        gen_s = time.perf_counter() - t0
+        episodes = await self._score([ep for eps in got for ep in eps])
+        correct = torch.tensor([ep.correct for ep in episodes], dtype=torch.float32).view(-1, e.samples)
+        versions = sorted({ep.policy_version for ep in episodes})
+        if len(versions) > 1:  # a replica respawned during the evaluation got the trainer's newer weights
+            checkpoint.warn(f"held-out evaluation mixed policy versions {versions} (a replica was respawned)")
+        ntok = sum(len(ep.response_ids) for ep in episodes)
+        row = {"step": versions[0], "eval/policy_version": versions[0], "eval/pass@1": float(correct.mean()),
+               **({f"eval/pass@{e.samples}": float(correct.amax(1).mean())} if e.samples > 1 else {}),
+               **{k: v for k, v in batch_stats(episodes, prefix="eval/").items() if k != "eval/accuracy"},  # = pass@1
+               "eval/questions": correct.shape[0], "eval/k": e.samples,
+               "eval/s": time.perf_counter() - t0, "eval/gen_s": gen_s, "eval/gen_tok_s": ntok / gen_s}
+        self.mlog.log(row)
+        self.last_eval = row
+        return row
 
     # ---- checkpoints -------------------------------------------------------------------------
     async def save_checkpoint(self) -> Optional[str]:
-        """Write ``checkpoints/step_NNNNNN`` atomically (temp dir, manifest last, rename) and keep the
-        newest ``checkpoint.keep``. A full disk leaves the previous checkpoint as it was, says so
-        and returns None; other errors raise."""
-        final = os.path.join(self.ckpt_root, f"step_{self.step:06d}")
-        tmp = final + ".tmp"
+        """At a quiet point (the weight sync done, rollouts paused and none in flight), write
+        ``checkpoints/step_NNNNNN`` atomically (temp dir, :func:`forge_core.checkpoint.write_state`
+        with the manifest last, rename) and keep the newest ``checkpoint.keep``; then the rollouts go
+        on. Returns the checkpoint's path. A full disk leaves the previous checkpoint as it was, says
+        so and returns None; other errors (ActorFailed, OSError, RuntimeError) raise."""
+        await self.sync_task
+        async with self.changed:
+            self.paused = True
+            await self.changed.wait_for(lambda: not self.rollouts_in_flight)
+        tmp = os.path.join(self.ckpt_root, f"step_{self.step:06d}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
+        path = None
         try:
             await call("trainer", self.svc.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
             held = await call("replay_buffer", self.svc.buffer.state, timeout_s=self._deadline(0))
-            torch.save({"episodes": held}, os.path.join(tmp, "buffer.pt"))
-            with open(os.path.join(tmp, "controller.json"), "w") as f:
-                json.dump({"step": self.step, "batches_made": self.batches_made, "refills": self.refills,
-                           "source": self.source.state_dict(),
-                           "generator_version": min(self.versions), "skipped_batches": self.skipped_batches,
-                           "checkpoint_failures": self.checkpoint_failures, "restarts": self.restarts}, f)
-            checkpoint.write_manifest(tmp, self.step)
+            checkpoint.write_state(tmp, self.state_dict(), held)
         except (ActorFailed, OSError, RuntimeError) as e:
             if not checkpoint.disk_full(e, self.ckpt_root):
                 raise
@@ -254,90 +426,43 @@ class Controller:
             prev = checkpoint.complete(self.ckpt_root)
             checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({_brief(e, 200)}); "
                             + (f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint"))
-            return None
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        checkpoint.rotate(self.ckpt_root, self.cfg.checkpoint.keep)
-        return final
+        else:
+            path = checkpoint.commit(tmp, self.cfg.checkpoint.keep)
+        await self._set(paused=False)
+        return path
+
+    def state_dict(self) -> dict:
+        """The controller's part of a checkpoint (``controller.json``): ``step``, ``batches_made`` (the
+        rollout batch counter), ``refills`` (``[k, groups, round]`` still owed), ``source`` (the prompt
+        stream's position), ``generator_version`` (the oldest version a replica holds, informative),
+        ``skipped_batches``, ``checkpoint_failures`` and ``restarts`` (``{role: count}``). JSON-ready;
+        the lists and dicts are the controller's own (serialise them before the next ``await``)."""
+        return {"step": self.step, "batches_made": self.batches_made, "refills": self.refills,
+                "source": self.source.state_dict(), "generator_version": min(self.versions),
+                "skipped_batches": self.skipped_batches, "checkpoint_failures": self.checkpoint_failures,
+                "restarts": self.restarts}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state`` (:meth:`state_dict`); ``refills`` and the fault counters default to none
+        (older checkpoints). Raises KeyError when ``step``, ``batches_made`` or ``source`` is missing."""
+        self.step, self.batches_made, self.refills = state["step"], state["batches_made"], state.get("refills", [])
+        # the metrics' fault counters go on from the checkpoint's (older checkpoints: from 0)
+        self.skipped_batches = state.get("skipped_batches", 0)
+        self.checkpoint_failures = state.get("checkpoint_failures", 0)
+        self.restarts.update(state.get("restarts", {}))
+        self.source.load_state_dict(state["source"])
 
     async def restore(self, path: str) -> None:
-        """Resume from a checkpoint written by :meth:`save_checkpoint`. Raises RuntimeError when the
-        trainer's version and the checkpoint's step disagree."""
+        """Resume from a checkpoint written by :meth:`save_checkpoint`: the trainer's weights and
+        optimizer, the controller's state (:meth:`load_state_dict`) and the replay buffer's episodes.
+        Raises RuntimeError when the trainer's version and the checkpoint's step disagree."""
         version = await call("trainer", self.svc.trainer.load, path, timeout_s=self.cfg.fault.startup_timeout_s)
-        with open(os.path.join(path, "controller.json")) as f:
-            st = json.load(f)
-        self.step, self.batches_made, self.refills = st["step"], st["batches_made"], st.get("refills", [])
-        # the metrics' fault counters go on from the checkpoint's (older checkpoints: from 0)
-        self.skipped_batches, self.checkpoint_failures = st.get("skipped_batches", 0), st.get("checkpoint_failures", 0)
-        self.restarts.update(st.get("restarts", {}))
-        self.source.load_state_dict(st["source"])
-        held = torch.load(os.path.join(path, "buffer.pt"), weights_only=False)["episodes"]
+        state, held = checkpoint.read_state(path)
+        self.load_state_dict(state)
         await call("replay_buffer", self.svc.buffer.restore, held, timeout_s=self._deadline(0))
         self.buffered = len(held)
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
-
-    # ---- faults ------------------------------------------------------------------------------
-    def _deadline(self, tokens: float) -> float:
-        """Seconds a call carrying ``tokens`` tokens of work may take (``fault.*``)."""
-        return self.cfg.fault.call_timeout_s + self.cfg.fault.timeout_per_token_s * tokens
-
-    def _count_restart(self, name: str, error: BaseException) -> None:
-        f, now = self.cfg.fault, time.monotonic()
-        recent = [t for t in self.restart_times.get(name, []) if now - t < f.restart_window_s]
-        if len(recent) >= f.max_restarts:
-            raise ActorFailed(f"actor '{name}' failed {len(recent) + 1} times within {f.restart_window_s:g} s "
-                              f"(fault.max_restarts={f.max_restarts}); last error: {str(error)[:1500]}") from error
-        self.restart_times[name] = recent + [now]
-
-    def _record_fault(self, name: str, error: BaseException, t0: float) -> None:
-        role = "generator" if name.startswith("generator") else name
-        self.restarts[role] += 1
-        self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-        rec = {"service": name, "step": self.step, "error": str(error)[:500], "recover_s": time.perf_counter() - t0,
-               "restarts": self.restarts[role], "time": time.time()}
-        with open(os.path.join(self.out_dir, "faults.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        checkpoint.warn(f"{name} failed ({_brief(error)}); respawned and back in {rec['recover_s']:.1f} s")
-
-    def _current(self, name: str) -> Service:
-        return next(s for s in self.svc.all() if s.name == name)
-
-    async def _revive(self, failed: Service, error: BaseException) -> None:
-        """Respawn the reward, the reference or generator replica ``failed`` and restore its state
-        (see the module docstring); nothing when it was already replaced since. Raises ActorFailed
-        when its restarts are used up."""
-        name, generator = failed.name, failed.name.startswith("generator")
-        async with self.sync_lock if generator else contextlib.nullcontext():
-            if self._current(name) is not failed:
-                return  # the weight sync already respawned it
-            self._count_restart(name, error)
-            t0 = time.perf_counter()
-            await self.svc.respawn(name)
-            if generator:
-                self.generation += 1
-                await self._sync_locked()
-            elif name == "reference":
-                digest = await call(name, self.svc.reference.rebuild_initial,  # waits for its start-up too
-                                    timeout_s=self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s)
-                if digest != self.ref_digest:
-                    raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from "
-                                      f"version 0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random "
-                                      f"init cannot be rebuilt; resume the run from its last checkpoint")
-        self._record_fault(name, error, t0)
-
-    async def _supervised(self, name: str, endpoint: str, *args: Any, tokens: float = 0,
-                          all_ranks: bool = False) -> Any:
-        """Call ``endpoint`` of the service ``name`` (the reward, the reference or a generator replica)
-        with a deadline for ``tokens`` tokens of work; on a death or a missed deadline, respawn it
-        (:meth:`_revive`: a replica with the current weights) and make the same call again."""
-        while True:
-            svc = self._current(name)
-            try:
-                fn = call_all if all_ranks else call
-                return await fn(name, getattr(svc, endpoint), *args, timeout_s=self._deadline(tokens))
-            except ActorFailed as e:
-                await self._revive(svc, e)
 
     # ---- rollouts ----------------------------------------------------------------------------
     def _eligible(self, k: int) -> list[int]:
@@ -458,298 +583,161 @@ class Controller:
             raise RunFailed(f"{error}; the run stops after step {self.step}")
         return episodes
 
-    # ---- held-out evaluation -----------------------------------------------------------------
-    def _eval_due(self, version: int) -> bool:
-        """Whether policy version ``version`` (after that many steps) is evaluated: every ``eval.every``
-        steps and the last step (version 0, ``eval.at_start``, is started by the run itself)."""
-        every = self.cfg.eval.every
-        return every > 0 and (version % every == 0 or version == self.cfg.steps)
+    # ---- faults ------------------------------------------------------------------------------
+    def _deadline(self, tokens: float) -> float:
+        """Seconds a call carrying ``tokens`` tokens of work may take (``fault.*``)."""
+        return self.cfg.fault.call_timeout_s + self.cfg.fault.timeout_per_token_s * tokens
 
-    async def evaluate(self) -> dict:
-        """Evaluate the policy the replicas hold on the held-out subset and log it (one ``metrics.jsonl``
-        row with ``eval/...`` keys, ``step`` = the version evaluated). The questions are spread over the
-        replicas as rollout groups are (whole questions, the replica expected to finish first), each
-        sampled ``eval.samples`` times with the evaluation's settings and a fixed seed, and scored by the
-        reward actor. pass@1 is the mean correctness of all samples; pass@k (k = ``eval.samples``) the
-        fraction of questions with at least one correct sample: the unbiased estimator of Chen et al.
-        2021 ("Evaluating Large Language Models Trained on Code", eq. 1) with n = k. Runs between two
-        syncs (see :meth:`publish_and_sync`), so every sample comes from the version evaluated (recorded
-        as ``eval/policy_version``). Returns the row."""
-        e, gens, t0 = self.cfg.eval, self.svc.generators, time.perf_counter()
-        sampling = {"n": e.samples, "temperature": e.temperature, "top_p": e.top_p,
-                    "max_tokens": eval_max_tokens(self.cfg)}
-        plan = self.dispatcher.assign(len(self.held_out), list(range(len(gens))))
+    def _count_restart(self, name: str, error: BaseException) -> None:
+        f, now = self.cfg.fault, time.monotonic()
+        recent = [t for t in self.restart_times.get(name, []) if now - t < f.restart_window_s]
+        if len(recent) >= f.max_restarts:
+            raise ActorFailed(f"actor '{name}' failed {len(recent) + 1} times within {f.restart_window_s:g} s "
+                              f"(fault.max_restarts={f.max_restarts}); last error: {str(error)[:1500]}") from error
+        self.restart_times[name] = recent + [now]
 
-        async def one(r: int, idx: list[int]) -> list[Episode]:
-            ta = time.perf_counter()
-            eps, _ = await self._supervised(gens[r].name, "generate", [self.held_out[i] for i in idx], e.seed,
-                                            sampling, tokens=len(idx) * e.samples * sampling["max_tokens"])
-            self.dispatcher.done(r, len(idx), time.perf_counter() - ta)
-            return eps
+    def _record_fault(self, name: str, error: BaseException, t0: float) -> None:
+        role = "generator" if name.startswith("generator") else name
+        self.restarts[role] += 1
+        self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
+        rec = {"service": name, "step": self.step, "error": str(error)[:500], "recover_s": time.perf_counter() - t0,
+               "restarts": self.restarts[role], "time": time.time()}
+        with open(os.path.join(self.out_dir, "faults.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        checkpoint.warn(f"{name} failed ({_brief(error)}); respawned and back in {rec['recover_s']:.1f} s")
 
-        got = await asyncio.gather(*(one(r, idx) for r, idx in plan.items()))
-        gen_s = time.perf_counter() - t0
-        episodes = await self._score([ep for eps in got for ep in eps])
-        correct = torch.tensor([ep.correct for ep in episodes], dtype=torch.float32).view(-1, e.samples)
-        versions = sorted({ep.policy_version for ep in episodes})
-        if len(versions) > 1:  # a replica respawned during the evaluation got the trainer's newer weights
-            checkpoint.warn(f"held-out evaluation mixed policy versions {versions} (a replica was respawned)")
-        ntok = sum(len(ep.response_ids) for ep in episodes)
-        row = {"step": versions[0], "eval/policy_version": versions[0], "eval/pass@1": float(correct.mean()),
-               **({f"eval/pass@{e.samples}": float(correct.amax(1).mean())} if e.samples > 1 else {}),
-               **_batch_stats(episodes, prefix="eval/"), "eval/questions": correct.shape[0], "eval/k": e.samples,
-               "eval/s": time.perf_counter() - t0, "eval/gen_s": gen_s, "eval/gen_tok_s": ntok / gen_s}
-        self.mlog.log(row)
-        self.last_eval = row
-        return row
+    def _current(self, name: str) -> Service:
+        return next(s for s in self.svc.all() if s.name == name)
 
-    # ---- weight sync -------------------------------------------------------------------------
-    async def publish_and_sync(self, sync: bool = True, evaluate: bool = False) -> None:
-        """Publish the trainer's current weights and bring every replica to them (under the sync lock);
-        then, with ``evaluate``, evaluate that version (:meth:`evaluate`), outside the lock, so that the
-        rollouts and a respawn go on meanwhile. The next version is published only once this task is
-        done (the training loop awaits it first), so the replicas hold the evaluated version throughout,
-        and training waits for an evaluation only when it outlasts the training step beside it.
-        A failure also becomes ``background_error``: the training loop may be waiting for a batch that
-        only the new version can generate (``max_staleness=0``)."""
-        try:
-            if sync:
-                async with self.sync_lock:
-                    await self._sync_locked()
-            if evaluate:
-                await self.evaluate()
-        except Exception as e:
-            await self._set(background_error=e)
-            raise
+    async def _revive(self, failed: Service, error: BaseException) -> None:
+        """Respawn the reward, the reference or generator replica ``failed`` and restore its state
+        (see the module docstring); nothing when it was already replaced since. Raises ActorFailed
+        when its restarts are used up."""
+        name, generator = failed.name, failed.name.startswith("generator")
+        async with self.sync_lock if generator else contextlib.nullcontext():
+            if self._current(name) is not failed:
+                return  # the weight sync already respawned it
+            self._count_restart(name, error)
+            t0 = time.perf_counter()
+            await self.svc.respawn(name)
+            if generator:
+                self.generation += 1
+                await self._sync_locked()
+            elif name == "reference":
+                digest = await call(name, self.svc.reference.rebuild_initial,  # waits for its start-up too
+                                    timeout_s=self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s)
+                if digest != self.ref_digest:
+                    raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from "
+                                      f"version 0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random "
+                                      f"init cannot be rebuilt; resume the run from its last checkpoint")
+        self._record_fault(name, error, t0)
 
-    async def _sync_locked(self) -> None:
-        """Publish (starting the nccl broadcast when a route needs it), fetch and load one version (see
-        the module docstring; routes: :func:`sync_routes`). A replica that dies or hangs meanwhile is
-        respawned and the whole version published and loaded again (a new nccl group)."""
-        cfg, gens, routes = self.cfg, self.svc.generators, self.routes
-        nccl = sum(t == "nccl" for t, _ in routes)  # group members besides the trainer
-        handle = await call("trainer", self.svc.trainer.publish, any(t == "rdma" for t, _ in routes),
-                            nccl + 1 if nccl else 0, self.generation, self.svc.dtypes["generator"],
-                            timeout_s=cfg.fault.call_timeout_s)
-        t0 = time.perf_counter()
-        timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
-        # a load is a local copy, queued behind at most one generate call (a whole batch) of its replica
-        load_timeout = self._deadline(self.B * cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
-        failed: dict[int, ActorFailed] = {}  # replica -> its failed call of this sync
-        staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
-
-        async def guard(i: int, what: Any) -> Any:
-            try:
-                return await what
-            except ActorFailed as e:
-                failed[i] = e
-
-        async def load(i: int) -> dict:
-            t, j = routes[i]
-            args = (staged[j],) if t == "follow" else (handle, t in ("nccl", "rdma"))
-            r = await call(gens[i].name, gens[i].update_weights, *args, timeout_s=load_timeout)
-            self.versions[i] = r["version"]
-            await self._set()
-            return r
-
-        fetch = [i for i, (t, _) in enumerate(routes) if t in ("nccl", "rdma")]
-        got = await asyncio.gather(*(guard(i, call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle,
-                                                   *routes[i], timeout_s=timeout)) for i in fetch))
-        if not failed:
-            for j in sorted({r for t, r in routes if t == "follow"}):
-                staged[j] = await guard(j, call(f"receiver_{gens[j].name}", gens[j].receiver.staged, handle.version,
-                                                timeout_s=cfg.fault.call_timeout_s))
-        if not failed:
-            await self._set(loading=True)
-            try:
-                loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
-            finally:
-                await self._set(loading=False)
-        if failed:
-            for i, e in sorted(failed.items()):
-                self._count_restart(gens[i].name, e)
-                ta = time.perf_counter()
-                await self.svc.respawn(gens[i].name)
-                self._record_fault(gens[i].name, e, ta)
-            self.generation += 1
-            return await self._sync_locked()
-        transfer_s = max((f["transfer_s"] for f in got), default=0.0)
-        exposed = max(r["sync_s"] for r in loaded)
-        self.last_sync = {"weight_sync_s": time.perf_counter() - t0, "weight_transfer_s": transfer_s,
-                          "weight_sync_exposed_s": exposed,
-                          "weight_sync_gb_s": handle.nbytes / max(transfer_s or exposed, 1e-9) / 1e9,
-                          "weight_sync_mode": loaded[0].get("mode", "")}
-
-    def _batches_wanted(self) -> int:
-        """Rollout batches the run trains on: one per step, plus the ones skipped or lost."""
-        return self.cfg.steps + self.skipped_batches + self.lost_batches
-
-    async def _next_batch(self) -> list[Episode]:
+    async def _supervised(self, name: str, endpoint: str, *args: Any, tokens: float = 0,
+                          all_ranks: bool = False) -> Any:
+        """Call ``endpoint`` of the service ``name`` (the reward, the reference or a generator replica)
+        with a deadline for ``tokens`` tokens of work; on a death or a missed deadline, respawn it
+        (:meth:`_revive`: a replica with the current weights) and make the same call again."""
         while True:
-            batch = await call("replay_buffer", self.svc.buffer.sample, self.B, self.step, timeout_s=self._deadline(0))
-            async with self.changed:  # the size read under the lock: an add is in it, or wakes the wait below
-                self.buffered = await call("replay_buffer", self.svc.buffer.num_episodes, timeout_s=self._deadline(0))
-                if batch is not None:
-                    self.changed.notify_all()
-                    return batch
-                if not self.rollouts_in_flight and not self.refills and self.batches_made >= self._batches_wanted():
-                    self.lost_batches += 1  # nothing on the way, and the buffer evicted (part of) a batch
-                self.changed.notify_all()
-                await self.changed.wait_for(lambda: self.buffered >= self.B or self.background_error is not None)
-            if self.background_error is not None:
-                raise self.background_error
+            svc = self._current(name)
+            try:
+                fn = call_all if all_ranks else call
+                return await fn(name, getattr(svc, endpoint), *args, timeout_s=self._deadline(tokens))
+            except ActorFailed as e:
+                await self._revive(svc, e)
 
-    # ---- the run -----------------------------------------------------------------------------
-    async def run(self) -> dict:
-        """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
-        actor call fails (the message names the actor); checkpoints and metrics written so far stay intact.
-        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``,
-        and DataError or RewardError (:func:`load_task`) before anything is written."""
-        cfg = self.cfg
-        if not cfg.resume and (os.path.exists(os.path.join(self.out_dir, "metrics.jsonl"))
-                               or checkpoint.complete(self.ckpt_root)):
-            raise RunFailed(f"{self.out_dir} holds an earlier run (metrics.jsonl, checkpoints/): resume=false would "
-                            f"overwrite its metrics and mix its checkpoints with this run's; set another run_id, or "
-                            f"resume=true to go on from its last checkpoint")
-        train, self.held_out = load_task(cfg)  # bad data or reward: an error before anything is written
-        os.makedirs(self.out_dir, exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
-        self.source = PromptSource(train, cfg.data.seed)
-        t_start = time.perf_counter()
-        try:
-            self.svc = await spawn_services(cfg, self.hosts)
-            self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-            return await self._run(t_start)
-        finally:
-            await self.shutdown()
+    # ---- the loops' shared state -------------------------------------------------------------
+    async def _set(self, **attrs: Any) -> None:
+        """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
+        async with self.changed:
+            for k, v in attrs.items():
+                setattr(self, k, v)
+            self.changed.notify_all()
 
-    async def shutdown(self) -> None:
-        """Stop every actor process (idempotent; nothing to do when spawning failed)."""
-        if self.svc is not None:
-            await self.svc.stop()
 
-    async def start(self) -> None:
-        """Load the initial weights everywhere (resuming from the newest checkpoint when
-        ``cfg.resume``): the reference takes the trainer's version 0 bit for bit, before a
-        checkpoint overwrites the trainer's weights; every replica then loads the trainer's
-        current version. Every call has ``fault.startup_timeout_s`` (a miss raises ActorFailed naming the actor)."""
-        s, t = self.svc, self.cfg.fault.startup_timeout_s
-        self.routes = sync_routes(s, self.cfg.weight_sync.transport)
-        if self.cfg.device == "cpu":
-            n = self.cfg.threads_per_actor
-            print(f"[forge] threads per actor: {n} (threads_per_actor={n})" if n else
-                  f"[forge] threads per actor: shared (threads_per_actor=0): the actors computing at the moment "
-                  f"split this host's {len(os.sched_getaffinity(0))} cores", file=sys.stderr, flush=True)
-        self.versions = [0] * len(s.generators)
-        self.dispatcher = Dispatcher(len(s.generators))
-        dtypes = {await call(g.name, g.get_dtype, timeout_s=t) for g in s.generators}  # each resolved its `auto`
-        if len(dtypes) > 1:
-            raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
-                            f"their hosts' CPUs differ; set generator.dtype explicitly")
-        ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
-        remote = s.reference.slot.host != s.trainer.slot.host
-        # the generators' weight dtype (what the trainer publishes) and the reference's; respawns keep them
-        s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype, timeout_s=t))
-        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"], timeout_s=t)
-        await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc", timeout_s=t)
-        self.tokenizer_files = await call(s.generator.name, s.generator.tokenizer_files, timeout_s=t)
-        self.ref_digest = await call("reference", s.reference.digest, timeout_s=t)
-        if ckpt:
-            await self.restore(ckpt)
-        await self.publish_and_sync()
+# ---- module helpers, in the order the run uses them ------------------------------------------
+def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
+    """The run's training problems and its held-out evaluation subset (empty when ``eval.every`` is 0
+    and ``eval.at_start`` false), checked before anything starts or is written: both splits load
+    through the field mapping, one batch's worth of distinct prompts exists, and the reward function
+    answers one training example (its target as the response) with a finite float or a dict of them.
 
-    async def _run(self, t_start: float) -> dict:
-        cfg, s = self.cfg, self.svc
-        await self.start()
-        startup_s = time.perf_counter() - t_start
-        # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
-        mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
-                                      os.path.basename(self.out_dir), OmegaConf.to_container(cfg))
-        if cfg.eval.at_start and self.step == 0:  # version 0, beside the first rollout
-            self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True,
-                   disable=not self.progress)
-        rollouts = asyncio.create_task(self.rollout_loop())
-        row: dict = {}
-        try:
-            while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                episodes = await self._next_batch()
-                wait_s = time.perf_counter() - t0
-                if rollouts.done():
-                    rollouts.result()  # re-raise a rollout failure
-                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-                tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
-                if tm["skipped"]:
-                    self._skip(tm)
-                    continue
-                self.bad_in_a_row = 0
-                stats = _batch_stats(episodes, self.step)  # of a trained batch
-                if self.sync_task is not None:
-                    await self.sync_task  # receivers may still read the buffer publish overwrites
-                prev_sync = dict(self.last_sync)
-                self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=self._eval_due(self.step + 1)))
-                self.step += 1
-                ro, self.rollout_stats = self.rollout_stats, []
-                # timings: of the rollouts finished during this step, else of the latest one (a row
-                # never reports a 0 s generation because the next rollout is still running)
-                self.last_rollouts = ro or self.last_rollouts
-                mean = lambda k: statistics.fmean(r[k] for r in self.last_rollouts) if self.last_rollouts else 0.0
-                row = {"step": self.step, "policy_version": tm["version"], "batch_hash": batch_hash(episodes), **stats,
-                       "loss": tm["loss"], "kl_mean": tm.get("kl_mean", 0.0), "kl_max": tm.get("kl_max", 0.0),
-                       "clip_frac": tm["clip_frac"], "clip_frac_low": tm.get("clip_frac_low", 0.0),
-                       "clip_frac_high": tm.get("clip_frac_high", 0.0), "ratio_mean": tm.get("ratio_mean", 1.0),
-                       "grad_norm": tm["grad_norm"], "gen_tok_s": mean("gen_tok_s"), "gen_s": mean("gen_s"),
-                       "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
-                       "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": wait_s,
-                       **{k: prev_sync.get(k, 0.0) for k in ("weight_sync_s", "weight_transfer_s",
-                                                             "weight_sync_exposed_s", "weight_sync_gb_s")},
-                       "generator_version": min(self.versions), "gen_replicas": mean("gen_replicas"),
-                       "skipped_batches": self.skipped_batches, "checkpoint_failures": self.checkpoint_failures,
-                       **{f"restarts_{k}": v for k, v in self.restarts.items()},
-                       **{k: sum(r.get(k, 0) for r in ro) for k in ("zero_variance_groups", "dropped_groups")},
-                       "step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
-                       "startup_s": startup_s}
-                mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
-                if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
-                    await self.sync_task  # a quiet point: the sync done, rollouts paused and none in flight
-                    async with self.changed:
-                        self.paused = True
-                        await self.changed.wait_for(lambda: not self.rollouts_in_flight)
-                    await self.save_checkpoint()
-                    await self._set(paused=False)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                                loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s",
-                                **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"} if self.last_eval else {}))
-                bar.update(1)
-            rollouts.cancel()
-            if self.sync_task is not None:
-                await self.sync_task
-            final = os.path.join(self.out_dir, "final")
-            await call("trainer", s.trainer.save, final, False)
-            for name, data in self.tokenizer_files.items():
-                with open(os.path.join(final, name), "wb") as f:
-                    f.write(data)
-            plot_rewards(mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {cfg.recipe}")
-        finally:
-            rollouts.cancel()
-            for t in (rollouts, self.sync_task):  # retrieve a failure already raised elsewhere
-                if t is not None and t.done() and not t.cancelled():
-                    t.exception()
-            bar.close()
-            mlog.close()
-        return row
+    Raises:
+        DataError: a split that does not load (file, field, row: the message names them), or
+            ``prompts_per_step`` beyond the training rows.
+        RewardError: ``reward.fn`` cannot be loaded, raises, or returns something else (names it).
+    """
+    train = load_split(cfg.data, "train")
+    if len(train) < cfg.prompts_per_step:
+        raise DataError(f"prompts_per_step={cfg.prompts_per_step} is more than the {len(train)} training prompts "
+                        f"of data.train={cfg.data.train}: one batch would repeat prompts")
+    e = cfg.eval
+    held = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed) if e.every or e.at_start else []
+    p = train[0]
+    reward_components(load_reward_fn(cfg.reward), cfg.reward.fn, p.answer, {**p.row, "target": p.answer},
+                      f"example {p.id} (its target as the response, a check before the run)")
+    return train, held
 
-    def _skip(self, tm: dict) -> None:
-        """A step the trainer skipped (non-finite loss or gradient norm): the batch is dropped and
-        counted, the step is taken again with the next batch. Raises RunFailed at
-        ``fault.max_bad_steps`` skips in a row."""
-        self.skipped_batches += 1
-        self.bad_in_a_row += 1
-        checkpoint.warn(f"step {self.step + 1}: non-finite loss ({tm.get('loss')}) or gradient norm "
-                        f"({tm.get('grad_norm')}); optimizer step skipped, batch dropped "
-                        f"({self.bad_in_a_row} in a row, fault.max_bad_steps={self.cfg.fault.max_bad_steps})")
-        if self.bad_in_a_row >= self.cfg.fault.max_bad_steps:
-            raise RunFailed(f"training stopped: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient "
-                            f"norm (fault.max_bad_steps={self.cfg.fault.max_bad_steps}); the last good step is "
-                            f"{self.step}: lower trainer.lr, check the rewards, or resume from a checkpoint")
+
+def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
+    """How each generator replica gets new weights: ``(transport, rank)`` for ``ipc`` (the trainer's
+    host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
+    ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
+    Prints every choice. Raises ValueError for an impossible explicit transport (``ipc`` across hosts)."""
+    t = svc.trainer
+    routes, leader, rank = [], {}, 0
+    for i, g in enumerate(svc.generators):
+        same = g.slot.host == t.slot.host
+        if not same and g.slot.host in leader:
+            src = svc.generators[leader[g.slot.host]]
+            how, why = "follow", "loads its staged copy over ipc: the bytes cross to a node once"
+            routes.append((how, leader[g.slot.host]))
+        else:
+            src = t
+            how, why = choose_transport(setting, same, t.where[0]["ibverbs"] and g.where[0]["ibverbs"])
+            rank += how == "nccl"
+            routes.append((how, rank if how == "nccl" else 0))
+            if not same:
+                leader[g.slot.host] = i
+        print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {src.name} (node {src.slot.host}): "
+              f"{how} ({why})", file=sys.stderr, flush=True)
+    return routes
+
+
+class Dispatcher:
+    """Spreads the prompt groups of a rollout batch over ``replicas`` generator replicas. A group is
+    never split; each goes to the replica expected to finish it first, from its outstanding groups
+    and measured speed (an exponential moving average of groups per second, the newest measurement
+    weighted ``alpha``), so a slow replica gets less work. Pure bookkeeping, no actor calls."""
+
+    def __init__(self, replicas: int, alpha: float = 0.5):
+        self.rate: list[Optional[float]] = [None] * replicas  # groups / s
+        self.outstanding, self.alpha = [0] * replicas, alpha
+
+    def assign(self, n_groups: int, eligible: list[int]) -> dict[int, list[int]]:
+        """``{replica: [group indices]}`` for ``n_groups`` groups over the ``eligible`` replicas
+        (their outstanding counts grow by what they get). Raises ValueError when none is eligible."""
+        if not eligible:
+            raise ValueError("no generator replica is eligible (all too stale)")
+        known = [r for r in self.rate if r]
+        default = statistics.fmean(known) if known else 1.0
+        out: dict[int, list[int]] = {r: [] for r in eligible}
+        for g in range(n_groups):
+            best = min(eligible, key=lambda r: ((self.outstanding[r] + 1) / (self.rate[r] or default), r))
+            out[best].append(g)
+            self.outstanding[best] += 1
+        return {r: gs for r, gs in out.items() if gs}
+
+    def done(self, replica: int, groups: int, seconds: float) -> None:
+        """Record that ``replica`` finished ``groups`` groups in ``seconds``."""
+        self.outstanding[replica] -= groups
+        if groups and seconds > 0:
+            r, old = groups / seconds, self.rate[replica]
+            self.rate[replica] = r if old is None else self.alpha * r + (1 - self.alpha) * old
+
+
+def _brief(error: BaseException, limit: int = 400) -> str:
+    """The gist of an actor's error for a one-line warning: its last non-empty line (an actor's error
+    ends with its exception after the traceback), cut at ``limit`` characters on a word boundary."""
+    lines = [l.strip() for l in str(error.__cause__ or error).splitlines() if l.strip()] or [repr(error)]
+    last = lines[-1]
+    return last if len(last) <= limit else last[:limit].rsplit(" ", 1)[0] + " ..."

@@ -1,10 +1,86 @@
-"""Per-step metrics: a JSONL file (one line per step), optional wandb, and the end-of-run plot."""
+"""Per-step metrics: a training step's row (:func:`step_row`), a JSONL file (one line per step),
+optional wandb, and the end-of-run plot."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import statistics
 from typing import Any, Optional
+
+from forge_core.episode import Episode
+
+
+def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, rollouts: list[dict],
+             reported: list[dict], timings: dict) -> dict:
+    """One training step's ``metrics.jsonl`` row: a flat dict, its keys in this order.
+
+    Args:
+        step: the steps taken so far (1-based: the step just trained).
+        trainer: the trainer's ``train_step`` metrics: ``version``, ``loss``, ``clip_frac``,
+            ``grad_norm``, ``train_s``; ``kl_mean``, ``kl_max``, ``clip_frac_low``, ``clip_frac_high``,
+            ``ratio_mean``, ``tokens_per_s`` where the loss reports them (else 0, ratio 1).
+        batch: the trained batch's ``batch_hash`` (:func:`batch_hash`) and :func:`batch_stats`.
+        sync: the previous weight sync's figures: ``weight_sync_s``, ``weight_transfer_s``,
+            ``weight_sync_exposed_s`` (seconds), ``weight_sync_gb_s`` (GB/s); 0 when absent.
+        state: the controller's state (``Controller.state_dict``); its ``generator_version``,
+            ``skipped_batches``, ``checkpoint_failures`` and ``restarts`` (``{role: n}``, logged as
+            ``restarts_<role>``) are logged.
+        rollouts: the stats of the rollouts finished during this step; their ``zero_variance_groups``
+            and ``dropped_groups`` are summed.
+        reported: the rollouts whose timings the row reports, as means: ``gen_tok_s``, ``gen_s``,
+            ``reward_s``, ``ref_s`` and ``gen_replicas`` (0 when none).
+        timings: ``wait_for_rollout_s``, ``step_s``, ``elapsed_s``, ``startup_s`` (seconds).
+
+    Raises:
+        KeyError: a required key missing from a piece (the ones read without a default above).
+    """
+    tm, mean = trainer, lambda k: statistics.fmean(r[k] for r in reported) if reported else 0.0  # noqa: E731
+    return {"step": step, "policy_version": tm["version"], **batch,
+            "loss": tm["loss"], "kl_mean": tm.get("kl_mean", 0.0), "kl_max": tm.get("kl_max", 0.0),
+            "clip_frac": tm["clip_frac"], "clip_frac_low": tm.get("clip_frac_low", 0.0),
+            "clip_frac_high": tm.get("clip_frac_high", 0.0), "ratio_mean": tm.get("ratio_mean", 1.0),
+            "grad_norm": tm["grad_norm"], "gen_tok_s": mean("gen_tok_s"), "gen_s": mean("gen_s"),
+            "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
+            "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": timings["wait_for_rollout_s"],
+            **{k: sync.get(k, 0.0) for k in ("weight_sync_s", "weight_transfer_s", "weight_sync_exposed_s",
+                                             "weight_sync_gb_s")},
+            "generator_version": state["generator_version"], "gen_replicas": mean("gen_replicas"),
+            "skipped_batches": state["skipped_batches"], "checkpoint_failures": state["checkpoint_failures"],
+            **{f"restarts_{k}": v for k, v in state["restarts"].items()},
+            **{k: sum(r.get(k, 0) for r in rollouts) for k in ("zero_variance_groups", "dropped_groups")},
+            **{k: timings[k] for k in ("step_s", "elapsed_s", "startup_s")}}
+
+
+def batch_hash(episodes: list[Episode]) -> int:
+    """A 52-bit fingerprint (a JSON-exact integer) of a training batch: prompt and response token
+    ids, prompt ids and policy versions, in order. Equal hashes at a step = the same batch."""
+    key = json.dumps([[e.prompt_id, e.prompt_ids, e.response_ids, e.policy_version] for e in episodes])
+    return int(hashlib.sha256(key.encode()).hexdigest()[:13], 16)
+
+
+def batch_stats(episodes: list[Episode], step: Optional[int] = None, prefix: str = "") -> dict:
+    """Means over scored ``episodes``: reward (and its std), each reward component (``reward/<name>``),
+    accuracy, format rate, response length, truncation, the policy's entropy (below) and, with
+    ``step``, the off-policy staleness. ``entropy``: the mean over response tokens of ``-log pi(y_t)``
+    under the sampling policy (the behaviour logprobs): a Monte-Carlo estimate of the per-token entropy
+    of the tempered distribution sampled from (``E_{y~pi}[-log pi(y)] = H(pi)``), cheap and exact in
+    expectation; it falls as the policy collapses onto few continuations. Keys get ``prefix``."""
+    rewards, lens = [e.reward for e in episodes], [len(e.response_ids) for e in episodes]
+    lps = [lp for e in episodes for lp in e.behaviour_logprobs]
+    comps = sorted({k for e in episodes for k in e.components})
+    out = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+           **{f"reward/{k}": statistics.fmean(e.components.get(k, 0.0) for e in episodes) for k in comps},
+           "accuracy": statistics.fmean(e.correct for e in episodes),
+           "format_rate": statistics.fmean(e.formatted for e in episodes),
+           "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
+           "truncated_frac": statistics.fmean(e.truncated for e in episodes),
+           "entropy": -statistics.fmean(lps) if lps else 0.0}
+    if step is not None:
+        stale = [step - e.policy_version for e in episodes]
+        out.update(staleness_mean=statistics.fmean(stale), staleness_max=max(stale))
+    return {prefix + k: v for k, v in out.items()}
 
 
 class MetricsLog:
@@ -16,7 +92,7 @@ class MetricsLog:
     the resolved config, stored with the wandb run."""
 
     def __init__(self, path: str, start_step: int = 0, wandb_cfg: Optional[Any] = None,
-                 run_name: str = "", config: Optional[dict] = None):
+                 run_name: str = "", *, config: Optional[dict] = None):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.exists(path):
@@ -48,14 +124,21 @@ class MetricsLog:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """All complete JSON lines of ``path`` (a torn last line from a crash is ignored)."""
-    out = []
+    """The JSON objects of ``path``, one a line (blank lines skipped). A last line that does not parse
+    was torn by a crash mid-write and is dropped. Raises ValueError naming the file and the line
+    (1-based) for one that does not parse anywhere else: the file is damaged, not torn."""
     with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
+        lines = f.read().split("\n")
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if any(l.strip() for l in lines[n:]):
+                raise ValueError(f"{path}, line {n}: not a JSON line ({e}); only a torn last line is "
+                                 f"dropped, this one has lines after it: the file is damaged") from e
     return out
 
 

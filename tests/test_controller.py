@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ from forge_core.controller import Controller, Dispatcher
 from forge_core.actors.replay_buffer import ReplayBuffer
 from forge_core.data import PromptSource, load_gsm8k
 from forge_core.episode import Episode
+from forge_core.metrics import MetricsLog, read_jsonl
 from forge_core.services import ActorFailed, RunFailed, call
 
 TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2", "fault.call_timeout_s=1",
@@ -250,3 +252,18 @@ def test_a_batch_the_buffer_evicted_is_made_again(tmp_path):
     asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
     assert len(ctl.trained) == 3 and evicted[0] >= ctl.B
     assert len(ctl.generated) == 3 + evicted[0] // ctl.B
+
+
+def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
+    """A crash mid-write tears the last line of metrics.jsonl: it is dropped (a resume rewrites the file
+    without it). A bad line with lines after it is damage, not a tear: a ValueError naming file and line."""
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "lo')
+    assert read_jsonl(str(p)) == [{"step": 1}, {"step": 2}]
+    MetricsLog(str(p), start_step=3).close()
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    p.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{p}, line 2: not a JSON line")):
+        read_jsonl(str(p))
+    with pytest.raises(ValueError, match="line 2"):
+        MetricsLog(str(p), start_step=3)  # a resume refuses a damaged file rather than drop rows from it

@@ -381,14 +381,14 @@ def test_bucket_mount_and_dry_run_redacts_secrets(monkeypatch, capsys, tmp_path)
 def test_setup_check_versions_gpus_and_recipe(capsys):
     # The last line of setup: on this CPU venv the embedded recipe's check passes ...
     env = {"SKYPILOT_SETUP_NODE_IPS": "10.0.0.1", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "0",
-           "FORGE_ARGS": "", "FORGE_RECIPE": ""}
+           "FORGE_ARGS": "", "FORGE_RECIPE": "smollm2_135m"}  # several shipped recipes have this shape
     assert sn.check(False, env) == 0, capsys.readouterr().err
     assert "recipes/smollm2_135m" in capsys.readouterr().out
     for args, says in (("steps=abc", "Value 'abc' of type 'str' could not be converted"), ("'steps=5", "No closing")):
         assert sn.check(False, {**env, "FORGE_RECIPE": "smollm2_135m", "FORGE_ARGS": args}) == 1  # before run:
         assert f"FORGE_ARGS={args!r}: " in (err := capsys.readouterr().err) and says in err, err
     # ... and a GPU recipe's names every missing piece (no vLLM, CPU torch, no GPUs).
-    env.update(SKYPILOT_SETUP_NUM_GPUS_PER_NODE="3")
+    env.update(SKYPILOT_SETUP_NUM_GPUS_PER_NODE="3", FORGE_RECIPE="qwen3_1_7b")
     assert sn.check(True, env) == 1
     err = capsys.readouterr().err
     assert "vllm missing (want 0.26.0)" in err and "torch 2.13" in err and "want 2.11.x" in err

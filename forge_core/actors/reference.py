@@ -125,8 +125,8 @@ class Reference(Actor):
             for idx, dummy in micro_batches(episodes, self.rank, self.world, self.micro_batch_size, self.budget):
                 self.cores.refresh()
                 R = max(max(len(episodes[i].response_ids) for i in idx), 1)
-                lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget, self.chunk,
-                                 self.select)
+                lp = logprobs_of(self.model, episodes, idx, R, temperature=self.temperature, device=self.device,
+                                 budget=self.budget, chunk=self.chunk, select=self.select)
                 if not dummy:
                     done.append((idx, lp))
             for idx, lp in done:

@@ -86,11 +86,12 @@ def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int 
     return [(b, False) for b in per_rank[rank]] + [([0], True)] * (n - len(per_rank[rank]))
 
 
-def logprobs_of(model, episodes: list, idx: list[int], R: int, temperature: float, device, budget: int,
+def logprobs_of(model, episodes: list, idx: list[int], R: int, *, temperature: float, device, budget: int,
                 chunk: int, select=None):
-    """``[len(idx), R]`` float32 response logprobs of ``episodes[idx]``: packed into one row of
-    ``budget`` tokens with chunked logprobs (:mod:`forge_core.packing`) when ``budget`` > 0, else
-    padded (:func:`forge_core.titan.response_logprobs`)."""
+    """``[len(idx), R]`` float32 response logprobs of ``episodes[idx]`` (``R``: response tokens per
+    row) under ``model`` at ``temperature``, computed on ``device``: packed into one row of ``budget``
+    tokens with logprobs in chunks of ``chunk`` tokens (:mod:`forge_core.packing`) when ``budget`` > 0,
+    else padded (:func:`forge_core.titan.response_logprobs`, positions by ``select``)."""
     chunk_eps = [episodes[i] for i in idx]
     if budget:
         return packed_response_logprobs(model, pack_batch(chunk_eps, budget).to(device), R, temperature, chunk)
@@ -194,8 +195,8 @@ class Trainer(Actor):
                        response_ids=[1] * (n - n // 2), behaviour_logprobs=[0.0] * (n - n // 2), text="",
                        policy_version=0)] * k
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            lp = logprobs_of(self.model, eps, list(range(k)), n - n // 2, self.temperature, self.device, self.budget,
-                             self.t.logprob_chunk, self.select)
+            lp = logprobs_of(self.model, eps, list(range(k)), n - n // 2, temperature=self.temperature,
+                             device=self.device, budget=self.budget, chunk=self.t.logprob_chunk, select=self.select)
         (lp.sum() * 0.0).backward()
         self.opt.zero_grad(set_to_none=True)
         self._sync()
@@ -254,8 +255,8 @@ class Trainer(Actor):
             for idx, dummy in micro_batches(episodes, self.rank, self.world, self.t.micro_batch_size, self.budget):
                 self.cores.refresh()
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                    lp = logprobs_of(self.model, episodes, idx, R, self.temperature, self.device, self.budget,
-                                     self.t.logprob_chunk, self.select)
+                    lp = logprobs_of(self.model, episodes, idx, R, temperature=self.temperature, device=self.device,
+                                     budget=self.budget, chunk=self.t.logprob_chunk, select=self.select)
                 if dummy:  # no contribution, but the same collectives as the other ranks
                     (lp.sum() * 0.0).backward()
                     continue
