@@ -138,8 +138,9 @@ sky-dryrun:
 sky-down: venv-extras
 	$(PY) -m launch.sky down $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME))
 
-# ---- GPU benchmark (a GPU machine with the GPU extra: vLLM 0.26.0; see benchmarks/gpu.sh)
-# make bench [ARGS='--model qwen3_8b --steps 2']   one table, each row naming its device
+# ---- GPU benchmark and check: a GPU machine with the project and its GPU extra installed in BENCH_PY's
+# environment (pip install -e '.[gpu]'); more stages (runs, two hosts, profile) in benchmarks/gpu.sh
+# make bench [ARGS='--model qwen3_8b --sections train']   one table, each row naming its device
 BENCH_PY ?= python3
 .PHONY: bench gpu-check
 

@@ -13,7 +13,7 @@ The yardstick is the computation of those logprobs themselves, for SmolLM2-135M'
 final hidden state [B, T, 576] @ lm-head W [576, 49152] -> log_softmax -> gather of the sampled
 token, forward + backward (into both hidden and W), float32. The full [64, 2048, 49152] fp32
 logits tensor is 25.8 GB, so it runs in chunks of rows and the chunk times are summed (a first,
-untimed chunk warms up the allocator). The issue's budget: each loss < 5% of that time.
+untimed chunk warms up the allocator). The budget: each loss < 5% of that time.
 Exits with status 1 if a loss is over budget.
 """
 

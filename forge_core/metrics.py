@@ -159,7 +159,8 @@ def plot_rewards(metrics_path: str, png_path: str, title: str = "") -> str:
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                     color="C0", alpha=0.15)
     ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (training batches)", color="C1")
-    ax.plot(steps, [r.get("format_rate", 0.0) for r in rows], label="format rate", color="C2", linestyle="--")
+    if any(r.get("format_rate", 0.0) for r in rows):  # a reward with a format part (gsm8k, math)
+        ax.plot(steps, [r["format_rate"] for r in rows], label="format rate", color="C2", linestyle="--")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], label="held-out pass@1", color="C3",
                 marker="o")

