@@ -609,7 +609,8 @@ class _Watch(threading.Thread):
 @pytest.mark.slow
 def test_two_hosts_one_mesh(sky_hosts, tmp_path):
     # The embedded recipe's task on a 2-node cluster (sky launch --num-nodes 2 ... --env
-    # FORGE_ARGS=...): no FORGE_RECIPE, so the run finds the recipe from the cluster's shape.
+    # FORGE_ARGS=...), FORGE_RECIPE set as the .sky.yaml policy sets it (two shipped recipes share
+    # the shape: test_shipped_recipes_resolve_from_cluster_shape covers resolving by shape).
     home = make_node_home(tmp_path)
     f = recipe_file("smollm2_135m")
     port = "26721"
@@ -620,7 +621,8 @@ def test_two_hosts_one_mesh(sky_hosts, tmp_path):
     try:
         for rank, ns in enumerate(NS):
             env = node_env(f, home, rank, sky_hosts, "sky-2026-11-21-20-00-00-000000_forge-2n_1",
-                           FORGE_ARGS=args, FORGE_MONARCH_PORT=port, FORGE_ATTACH_TIMEOUT="120")
+                           FORGE_ARGS=args, FORGE_MONARCH_PORT=port, FORGE_ATTACH_TIMEOUT="120",
+                           FORGE_RECIPE="recipes/smollm2_135m")
             log = tmp_path / f"node{rank}.log"
             procs.append((start_node(f, env, log, ns=ns), log))
         results = [finish(p, log, 300) for p, log in procs]
@@ -659,7 +661,7 @@ def test_node_that_never_comes_up(sky_hosts, tmp_path):
     runs = []
     t0 = time.monotonic()
     for rank, ns, port in ((0, NS[0], "26722"), (1, NS[1], "26723")):
-        env = node_env(f, home, rank, sky_hosts, "sky-missing-1", FORGE_ARGS=args,
+        env = node_env(f, home, rank, sky_hosts, "sky-missing-1", FORGE_ARGS=args, FORGE_RECIPE="recipes/smollm2_135m",
                        FORGE_MONARCH_PORT=port, FORGE_ATTACH_TIMEOUT=str(timeout_s))
         log = tmp_path / f"missing{rank}.log"
         runs.append((start_node(f, env, log, ns=ns), log, port))
