@@ -23,6 +23,8 @@ Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
 - ``sync``: weight sync in the node (publish: gather + cast + copy; load: in-place ``load_weights``
   + prefix-cache reset), seconds and GB/s, bit for bit (every TP rank's shard).
 The full GRPO step is measured by a real run (``launch.local``, metrics.jsonl): see benchmarks/gpu.sh.
+A section that fails leaves a row saying so and the rest of the table goes on; the exit code is
+then 1 (0 when every row measured what it names).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ ROWS: list = []
 
 
 def row(what: str, value: str, target: str = "", **kw) -> None:
+    """Print one table row and keep it (``ROWS``); a row whose value starts with "failed" (or with
+    ``ok=False``) is a failure, and makes the benchmark exit 1."""
     import torch
 
     dev = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
@@ -431,7 +435,10 @@ def main() -> int:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(ROWS, f, indent=1, default=str)
-    return 0
+    failed = [r["what"] for r in ROWS if r.get("ok") is False or str(r["value"]).startswith("failed")]
+    if failed:
+        print(f"{len(failed)} row(s) failed: {'; '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

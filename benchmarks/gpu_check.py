@@ -84,11 +84,13 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
                 check("reference logprobs agree with vLLM's (same bf16 weights)", statistics.fmean(diffs) < 0.05,
                       f"mean |diff| {statistics.fmean(diffs):.4f}, max {max(diffs):.3f}")
             adv, _, _ = compute_advantages(torch.tensor([e.reward for e in eps]).view(4, 4), cfg.advantage)
+            synthetic = not any(adv.flatten())  # every reward equal (a random model's): no signal to train on
             for e, a in zip(eps, adv.flatten().tolist()):
-                e.advantage = a if any(adv.flatten()) else (1.0 if e.group % 2 == 0 else -1.0)
+                e.advantage = (1.0 if e.group % 2 == 0 else -1.0) if synthetic else a
             m = await call("trainer", svc.trainer.train_step, eps)
             losses.append(m["loss"])
-            check(f"train step {step}", m["version"] == step + 1 and m["loss"] == m["loss"],
+            what = "synthetic +-1 advantages (every reward equal)" if synthetic else "the batch's advantages"
+            check(f"train step {step} on {what}", m["version"] == step + 1 and m["loss"] == m["loss"],
                   f"loss {m['loss']:.4f} grad_norm {m['grad_norm']:.3f} {m['train_s']:.2f}s peak {m['peak_mem_gb']:.1f} GB")
             h = await call("trainer", svc.trainer.publish)
             r = await call("generator", svc.generator.update_weights, h)

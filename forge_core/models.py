@@ -162,10 +162,22 @@ def smollm2_gguf_path() -> str:
 
 def converted_smollm2() -> str:
     """The cache's HF-format directory of SmolLM2-135M-Instruct, converting the GGUF file once (about
-    30 s on 2 CPU cores; atomic rename)."""
+    30 s on 2 CPU cores; atomic rename). Processes that need it at the same time (the actors of a
+    first run) take a file lock: one converts, the others wait for it and read its result."""
+    import fcntl
+
     out = os.path.join(cache_dir(), "smollm2_135m-hf")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
+    os.makedirs(cache_dir(), exist_ok=True)
+    with open(os.path.join(cache_dir(), ".smollm2_135m-hf.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.path.isfile(os.path.join(out, "model.safetensors")):  # converted while this one waited
+            return out
+        return _convert_smollm2(out)
+
+
+def _convert_smollm2(out: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf = smollm2_gguf_path()

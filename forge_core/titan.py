@@ -144,7 +144,13 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
         model.to(dtype)
     if packed:
         from forge_core.packing import enable_packed_attention
-        enable_packed_attention(model, "flex" if torch.device(device).type == "cuda" else "sdpa")
+        cuda = torch.device(device).type == "cuda"
+        if cuda:  # flex attention is autotuned per shape: keep inductor's report of it off the console
+            import torch._inductor.config as inductor
+            for key, off in (("max_autotune_report_choices_stats", False), ("autotune_num_choices_displayed", 0)):
+                if hasattr(inductor, key):
+                    setattr(inductor, key, off)
+        enable_packed_attention(model, "flex" if cuda else "sdpa")
     if parallelize is not None:
         model = parallelize(model) or model
     model.to_empty(device=device)

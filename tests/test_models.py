@@ -198,3 +198,31 @@ load_model(ModelConfig(name="smollm2_135m", path=sys.argv[1]))
                                timeout=120, check=True).stderr for how in ("plain", "actor")}
     assert "Loading weights" in err["plain"], err["plain"]  # what the console showed per actor
     assert "Loading weights" not in err["actor"] and "it/s" not in err["actor"], err["actor"]
+
+
+def test_the_gguf_is_dequantised_once_when_actors_ask_at_the_same_time(tmp_path, monkeypatch):
+    """The actors of a first run all need SmolLM2's converted weights: one converts (under a file
+    lock), the others wait and read its result."""
+    import threading
+    import time
+
+    from forge_core import models
+
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(out):
+        calls.append(out)
+        time.sleep(0.5)
+        os.makedirs(out)
+        open(os.path.join(out, "model.safetensors"), "w").close()
+        return out
+
+    monkeypatch.setattr(models, "_convert_smollm2", slow_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(models.converted_smollm2())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and got == [str(tmp_path / "smollm2_135m-hf")] * 3
