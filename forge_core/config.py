@@ -319,6 +319,9 @@ def _check(cfg: DictConfig, where: str) -> None:
     if (e.every or e.at_start) and not cfg.data.test:
         raise ConfigError(f"{where}: evaluation is asked for (eval.every={e.every}, eval.at_start={e.at_start}) "
                           f"but data.test is empty: name a held-out split, or set eval.every=0 eval.at_start=false")
+    if cfg.loss.name == "sft" and cfg.device == "cuda" and not cfg.layout.trainer.gpus:
+        raise ConfigError(f"{where}: loss=sft trains on the trainer's GPUs, and layout.trainer.gpus=0 gives it none of "
+                          f"its own (the generator replicas only tokenize and evaluate): set layout.trainer.gpus")
     if cfg.data.source == "file" and not cfg.data.train:
         raise ConfigError(f"{where}: data.source=file needs data.train, a .jsonl or .parquet file")
     if cfg.data.source != "gsm8k" and not (cfg.data.messages_field or cfg.data.prompt_field):

@@ -61,9 +61,9 @@ from tqdm import tqdm
 
 from forge_core import checkpoint
 from forge_core.advantages import compute_advantages
-from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split
+from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split, sft_target
 from forge_core.episode import Episode
-from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, step_row
+from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
 from forge_core.rewards import load_reward_fn, reward_components
 from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, eval_max_tokens,
                                  spawn_services)
@@ -126,7 +126,7 @@ class Controller:
         try:
             self.svc = await spawn_services(cfg, self.hosts)
             self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-            return await self._run(t_start)
+            return await (self._run_sft(t_start) if cfg.loss.name == "sft" else self._run(t_start))
         finally:
             await self.shutdown()
 
@@ -196,6 +196,60 @@ class Controller:
             mlog.close()
         return row
 
+    async def _run_sft(self, t_start: float) -> dict:
+        """The SFT loop (``loss=sft``), after :meth:`start`: take ``prompts_per_step`` examples, have
+        generator replica 0 tokenize them with their targets (:func:`forge_core.data.sft_target`), train
+        one step on the targets' cross-entropy; publish the weights to the replicas only to evaluate
+        them (``eval.*``, as in GRPO); log a row, checkpoint every ``checkpoint.every`` steps; at the end
+        save ``final/``. No rollouts, reference or replay buffer. Returns the last step's row."""
+        cfg, s = self.cfg, self.svc
+        await self.start()
+        startup_s = time.perf_counter() - t_start
+        mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
+                                      os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
+        if cfg.eval.at_start and self.step == 0:
+            self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"SFT {cfg.recipe}", unit="step", dynamic_ncols=True,
+                   disable=not self.progress)
+        row: dict = {}
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                problems = self.source.next_batch(cfg.prompts_per_step)
+                self.batches_made += 1
+                targets = [sft_target(p, cfg.data) for p in problems]
+                episodes = await call(s.generator.name, s.generator.sft_episodes, problems, targets,
+                                      timeout_s=self._deadline(0))
+                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+                tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
+                if tm["skipped"]:
+                    self._skip(tm)
+                    continue
+                self.bad_in_a_row = 0
+                self.step += 1
+                if self._eval_due(self.step):  # the replicas get this version to evaluate it
+                    if self.sync_task is not None:
+                        await self.sync_task
+                    self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=True))
+                row = sft_row(self.step, tm, episodes, state=self.state_dict(),
+                              timings={"step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
+                                       "startup_s": startup_s})
+                mlog.log(row)
+                if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
+                    await self.save_checkpoint()
+                bar.set_postfix(loss=f"{row['loss']:.4f}", **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"}
+                                                              if self.last_eval else {}))
+                bar.update(1)
+            if self.sync_task is not None:
+                await self.sync_task
+            await self.save_final()
+        finally:
+            if self.sync_task is not None and self.sync_task.done() and not self.sync_task.cancelled():
+                self.sync_task.exception()  # retrieved: raised above when it failed
+            bar.close()
+            mlog.close()
+        return row
+
     async def start(self) -> None:
         """Load the initial weights everywhere (resuming from the newest checkpoint when
         ``cfg.resume``): the reference takes the trainer's version 0 bit for bit, before a
@@ -215,13 +269,14 @@ class Controller:
             raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
                             f"their hosts' CPUs differ; set generator.dtype explicitly")
         ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
-        remote = s.reference.slot.host != s.trainer.slot.host
-        # the generators' weight dtype (what the trainer publishes) and the reference's; respawns keep them
-        s.dtypes.update(generator=dtypes.pop(), reference=await call("reference", s.reference.get_dtype, timeout_s=t))
-        h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"], timeout_s=t)
-        await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc", timeout_s=t)
+        s.dtypes["generator"] = dtypes.pop()  # what the trainer publishes; respawns keep it
+        if s.reference is not None:  # (an SFT run has none) the reference's own dtype, version 0
+            remote = s.reference.slot.host != s.trainer.slot.host
+            s.dtypes["reference"] = await call("reference", s.reference.get_dtype, timeout_s=t)
+            h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"], timeout_s=t)
+            await call("reference", s.reference.load_initial, h0, "rdma" if remote else "ipc", timeout_s=t)
+            self.ref_digest = await call("reference", s.reference.digest, timeout_s=t)
         self.tokenizer_files = await call(s.generator.name, s.generator.tokenizer_files, timeout_s=t)
-        self.ref_digest = await call("reference", s.reference.digest, timeout_s=t)
         if ckpt:
             await self.restore(ckpt)
         await self.publish_and_sync()
@@ -239,7 +294,8 @@ class Controller:
         for name, data in self.tokenizer_files.items():
             with open(os.path.join(final, name), "wb") as f:
                 f.write(data)
-        plot_rewards(self.mlog.path, os.path.join(self.out_dir, "reward.png"), f"GRPO {self.cfg.recipe}")
+        what = "SFT" if self.cfg.loss.name == "sft" else "GRPO"
+        plot_rewards(self.mlog.path, os.path.join(self.out_dir, "reward.png"), f"{what} {self.cfg.recipe}")
 
     # ---- the training loop's helpers --------------------------------------------------------
     async def _next_batch(self) -> list[Episode]:
@@ -407,7 +463,8 @@ class Controller:
         with the manifest last, rename) and keep the newest ``checkpoint.keep``; then the rollouts go
         on. Returns the checkpoint's path. A full disk leaves the previous checkpoint as it was, says
         so and returns None; other errors (ActorFailed, OSError, RuntimeError) raise."""
-        await self.sync_task
+        if self.sync_task is not None:
+            await self.sync_task
         async with self.changed:
             self.paused = True
             await self.changed.wait_for(lambda: not self.rollouts_in_flight)
@@ -416,7 +473,8 @@ class Controller:
         path = None
         try:
             await call("trainer", self.svc.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
-            held = await call("replay_buffer", self.svc.buffer.state, timeout_s=self._deadline(0))
+            held = [] if self.svc.buffer is None else await call("replay_buffer", self.svc.buffer.state,
+                                                                     timeout_s=self._deadline(0))
             checkpoint.write_state(tmp, self.state_dict(), held)
         except (ActorFailed, OSError, RuntimeError) as e:
             if not checkpoint.disk_full(e, self.ckpt_root):
@@ -459,8 +517,9 @@ class Controller:
         version = await call("trainer", self.svc.trainer.load, path, timeout_s=self.cfg.fault.startup_timeout_s)
         state, held = checkpoint.read_state(path)
         self.load_state_dict(state)
-        await call("replay_buffer", self.svc.buffer.restore, held, timeout_s=self._deadline(0))
-        self.buffered = len(held)
+        if self.svc.buffer is not None:
+            await call("replay_buffer", self.svc.buffer.restore, held, timeout_s=self._deadline(0))
+            self.buffered = len(held)
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
 
@@ -658,7 +717,8 @@ class Controller:
 def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
     """The run's training problems and its held-out evaluation subset (empty when ``eval.every`` is 0
     and ``eval.at_start`` false), checked before anything starts or is written: both splits load
-    through the field mapping, one batch's worth of distinct prompts exists, and the reward function
+    through the field mapping, one batch's worth of distinct prompts exists, every training example has
+    an SFT target when ``loss=sft`` (:func:`forge_core.data.sft_target`), and the reward function
     answers one training example (its target as the response) with a finite float or a dict of them.
 
     Raises:
@@ -670,6 +730,9 @@ def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
     if len(train) < cfg.prompts_per_step:
         raise DataError(f"prompts_per_step={cfg.prompts_per_step} is more than the {len(train)} training prompts "
                         f"of data.train={cfg.data.train}: one batch would repeat prompts")
+    if cfg.loss.name == "sft":
+        for p in train:  # every example has a target to train on (the first without one is named)
+            sft_target(p, cfg.data)
     e = cfg.eval
     held = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed) if e.every or e.at_start else []
     p = train[0]

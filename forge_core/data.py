@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -267,6 +268,26 @@ class PromptSource:
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
         self._order = list(range(len(self.problems)))
         random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
+
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def sft_target(problem: Problem, data: Any) -> str:
+    """The text an SFT run (``loss=sft``) trains ``problem``'s response on: the data's answer field as
+    written (``file``/``hub``: ``answer_field``, e.g. a MATH solution), for GSM8K its worked solution
+    ending in ``#### N`` with the calculator annotations (``<<48/2=24>>``) removed.
+
+    Raises:
+        DataError: naming the row when the target is missing or empty.
+    """
+    field_ = "answer" if data.source == "gsm8k" else data.answer_field
+    text = problem.row.get(field_) if field_ else None
+    text = _CALCULATOR.sub("", str(text)).strip() if text is not None else ""
+    if not text:
+        raise DataError(f"{problem.id}: no SFT target: field {field_ or '(data.answer_field)'!r} is missing or "
+                        f"empty; an SFT run trains on the text of data.answer_field")
+    return text
 
 
 def eval_subset(problems: list[Problem], n: int, seed: int) -> list[Problem]:

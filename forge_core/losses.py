@@ -181,9 +181,25 @@ class ReinforceLossConfig(LossConfig):
     tis_cap: Optional[float] = None
 
 
+@dataclass
+class SFTLossConfig(LossConfig):
+    """Supervised fine-tuning: the cross-entropy of the target tokens (a worked solution after the
+    prompt), the maximum-likelihood objective of SFT (e.g. InstructGPT's supervised stage,
+    arXiv:2203.02155 sec. 3.5). Per token::
+
+        loss_t = -logp_t            (logp_t = log pi_theta(y_t | x, y_<t), y the target)
+
+    aggregated with ``token_mean`` (every target token weighs the same). Advantages and behaviour
+    log-probs are not used; no KL (``beta`` must be 0). ``loss=sft`` makes a recipe an SFT run
+    (:meth:`forge_core.controller.Controller.run`: the trainer on the data's targets, no rollouts).
+    """
+
+    name: str = "sft"
+
+
 LOSS_CONFIGS: dict[str, type[LossConfig]] = {c.name: c for c in (
     GRPOLossConfig, DrGRPOLossConfig, DAPOLossConfig, GSPOLossConfig, CISPOLossConfig, SAPOLossConfig,
-    ReinforceLossConfig)}
+    ReinforceLossConfig, SFTLossConfig)}
 """Loss name (the value of ``cfg.name``, and the Hydra option ``loss=<name>``) -> its config."""
 
 
@@ -315,6 +331,8 @@ def _policy_term(cfg: Any, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tenso
     if name == "cispo":  # arXiv:2506.13585 eq. 4-5: -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp
         lo, hi = 1.0 - float(cfg.clip_low), 1.0 + float(cfg.clip_high)
         return _PolicyTerm(-(r.clamp(min=lo, max=hi) * adv * lp), r, r < lo, r > hi, {})
+    if name == "sft":  # cross-entropy of the target tokens
+        return _PolicyTerm(-lp, r, None, None, {})
     if name == "reinforce":  # Williams 1992: -w * A * logp with w = sg(min(r, C)) (TIS, Yao et al. 2025) or 1
         if cfg.tis_cap is None:
             return _PolicyTerm(-(adv * lp), r, None, None, {})
@@ -363,6 +381,8 @@ def validate_loss(cfg: Any) -> None:
         for field in ("tau_pos", "tau_neg"):
             if not float(getattr(cfg, field)) > 0.0:
                 raise ValueError(f"{field} must be > 0, got {getattr(cfg, field)!r}")
+    if name == "sft" and float(cfg.beta) != 0.0:
+        raise ValueError(f"beta must be 0 for sft (an SFT run has no reference model), got {cfg.beta!r}")
     if name == "reinforce" and cfg.tis_cap is not None and not float(cfg.tis_cap) > 0.0:
         raise ValueError(f"tis_cap must be > 0 (or None), got {cfg.tis_cap!r}")
 

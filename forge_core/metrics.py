@@ -53,6 +53,23 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             **{k: timings[k] for k in ("step_s", "elapsed_s", "startup_s")}}
 
 
+def sft_row(step: int, trainer: dict, episodes: list[Episode], *, state: dict, timings: dict) -> dict:
+    """One SFT step's ``metrics.jsonl`` row: ``step``, ``policy_version``, ``batch_hash``, ``loss``
+    (the target tokens' mean cross-entropy, nats), ``grad_norm``, ``target_tokens`` and ``seq_tokens``
+    (tokens through forward and backward), ``target_len_mean``, ``truncated_frac`` (targets cut at
+    ``generator.max_response_tokens``), ``train_s``, ``train_tok_s``, ``skipped_batches``,
+    ``checkpoint_failures`` and ``timings``' ``step_s``, ``elapsed_s``, ``startup_s`` (seconds). Raises
+    KeyError for a missing trainer key (``version``, ``loss``, ``grad_norm``, ``train_s``)."""
+    return {"step": step, "policy_version": trainer["version"], "batch_hash": batch_hash(episodes),
+            "loss": trainer["loss"], "grad_norm": trainer["grad_norm"],
+            "target_tokens": sum(len(e.response_ids) for e in episodes), "seq_tokens": trainer.get("seq_tokens", 0.0),
+            "target_len_mean": statistics.fmean(len(e.response_ids) for e in episodes),
+            "truncated_frac": statistics.fmean(e.truncated for e in episodes), "train_s": trainer["train_s"],
+            "train_tok_s": trainer.get("tokens_per_s", 0.0), "skipped_batches": state["skipped_batches"],
+            "checkpoint_failures": state["checkpoint_failures"],
+            **{k: timings[k] for k in ("step_s", "elapsed_s", "startup_s")}}
+
+
 def batch_hash(episodes: list[Episode]) -> int:
     """A 52-bit fingerprint (a JSON-exact integer) of a training batch: prompt and response token
     ids, prompt ids and policy versions, in order. Equal hashes at a step = the same batch."""
@@ -143,9 +160,9 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def plot_rewards(metrics_path: str, png_path: str, title: str = "") -> str:
-    """Plot the training batches' reward mean (with its std band), accuracy and format rate per step,
-    and the held-out pass@1 (``eval/pass@1`` rows, at the version evaluated) when the run evaluated,
-    from the JSONL file into a PNG. Returns ``png_path``."""
+    """Plot the training batches' reward mean (with its std band), accuracy and format rate per step
+    (an SFT run: its loss), and the held-out pass@1 (``eval/pass@1`` rows, at the version evaluated)
+    when the run evaluated, from the JSONL file into a PNG. Returns ``png_path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,6 +172,23 @@ def plot_rewards(metrics_path: str, png_path: str, title: str = "") -> str:
     evals = [r for r in all_rows if "eval/pass@1" in r]
     steps, mean, std = [r["step"] for r in rows], [r["reward_mean"] for r in rows], [r["reward_std"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
+    if not rows:  # an SFT run: its loss per step (and the held-out curve beside it)
+        sft = [r for r in all_rows if "target_tokens" in r]
+        ax.plot([r["step"] for r in sft], [r["loss"] for r in sft], label="loss (target cross-entropy)", color="C0")
+        ax.set(ylabel="nats per target token")
+        if evals:
+            ax2 = ax.twinx()
+            ax2.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], label="held-out pass@1",
+                     color="C3", marker="o")
+            ax2.set(ylabel="held-out pass@1")
+            ax2.legend(loc="upper right")
+        ax.set(xlabel="training step", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left")
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)
+        return png_path
     ax.plot(steps, mean, label="reward mean", color="C0")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                     color="C0", alpha=0.15)

@@ -221,8 +221,8 @@ def pretrained_dir(cfg: Any) -> Optional[str]:
     Raises:
         ModelSourceError: a gated model without HF_TOKEN, or a missing package file.
     """
-    if cfg.init == "random" or spec_of(cfg.name).config is not None:
-        return None
+    if cfg.init == "random" or (spec_of(cfg.name).config is not None and not getattr(cfg, "path", "")):
+        return None  # (a test model starts from random weights unless model.path names a checkpoint of it)
     return _hf_source(cfg)
 
 
@@ -343,7 +343,7 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
 
     attn = gqa_sdpa()
     spec = spec_of(cfg.name)
-    if spec.config is not None or cfg.init == "random":
+    if cfg.init == "random" or (spec.config is not None and not getattr(cfg, "path", "")):
         arch = spec.config or hf_config_dict(cfg.name)  # a test model's config, else the registry's
         conf = AutoConfig.for_model(**{k: v for k, v in arch.items() if k != "architectures"})
         torch.manual_seed(cfg.seed)

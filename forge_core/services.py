@@ -131,9 +131,9 @@ class Services:
 
     generators: list  # one Service per generator replica
     reward: Service
-    reference: Service
+    reference: Optional[Service]  # None in an SFT run (loss=sft): no reference, no replay buffer
     trainer: Service
-    buffer: Service
+    buffer: Optional[Service]
     plan: Plan
     cfg: Any = None
     hosts: Any = None
@@ -146,7 +146,7 @@ class Services:
 
     def all(self) -> list[Service]:
         """Every service."""
-        return [*self.generators, self.reward, self.reference, self.trainer, self.buffer]
+        return [s for s in (*self.generators, self.reward, self.reference, self.trainer, self.buffer) if s is not None]
 
     def write_placement(self, path: str) -> None:
         """Write ``{service: {"hostname", "ips", "pid", ...}}`` of rank 0 of each service to ``path``
@@ -280,7 +280,9 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
 
 
 async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
-    """Spawn every service of ``cfg`` where its layout places it (see the module docstring).
+    """Spawn every service of ``cfg`` where its layout places it (see the module docstring); an SFT run
+    (``loss=sft``) has no reference and no replay buffer (its generator replicas tokenize the targets
+    and serve the held-out evaluation).
     Colocated with the trainer, the generator starts first, so vLLM sizes its KV cache before the
     others allocate. ``hosts``: a multi-host ``HostMesh`` (node-rank order) or None for this host.
     Raises ActorFailed when an actor's constructor fails; the services already started are stopped."""
@@ -300,12 +302,12 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
             raise errors[0]
         return got
 
-    n = len(plan.generators)
+    n, sft = len(plan.generators), cfg.loss.name == "sft"  # SFT: no reference, no replay buffer
     jobs = [*(("generator", s, "generator" if n == 1 else f"generator_{i}") for i, s in enumerate(plan.generators)),
-            ("trainer", plan.trainer, ""), ("reference", plan.reference, ""), ("reward", Slot(0), ""),
-            ("replay_buffer", Slot(0), "")]
+            ("trainer", plan.trainer, ""), ("reward", Slot(0), ""),
+            *([] if sft else [("reference", plan.reference, ""), ("replay_buffer", Slot(0), "")])]
     got = await spawn(jobs[0]) + await spawn(*jobs[1:]) if plan.colocated else await spawn(*jobs)  # the engine first
-    trainer, reference, reward, buf = got[n:]
+    trainer, reward, reference, buf = (got[n:] + [None, None])[:4]
     return Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
                     hosts=hosts)
 

@@ -52,9 +52,11 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
     spec = spec_of(cfg.model.name)
     hub = functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
     random_ok = cfg.model.init == "random" and spec.arch
-    if (spec.source == "hf" or cfg.model.path) and spec.config is None and not random_ok and not ckpt:
+    if (spec.source == "hf" or cfg.model.path) and (spec.config is None or cfg.model.path) and not random_ok and not ckpt:
         path = cfg.model.path or spec.path
-        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        if unfinished := unfinished_run(path):
+            reasons.append(unfinished)
+        elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             reasons.append(f"model.path={path} has no config.json: not an HF-format checkpoint directory "
                            f"(config.json, the weights, the tokenizer's files)")
         elif path.startswith(("/", ".")) and not os.path.isdir(path):
@@ -90,6 +92,24 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
         reasons.append(f"output_dir={cfg.output_dir}: {top} is {'not writable' if os.path.isdir(top) else 'a file'}")
     if reasons:
         raise PreflightError("cannot run here:\n  - " + "\n  - ".join(reasons))
+
+
+def unfinished_run(path: str) -> Optional[str]:
+    """When ``model.path`` names a run (or its ``final/``) that did not finish, e.g. an SFT run to start
+    GRPO from: the message saying what the run has (its last logged step, its checkpoints) and how to
+    finish it; else None."""
+    run = os.path.dirname(path.rstrip("/")) if os.path.basename(path.rstrip("/")) == "final" else path
+    if os.path.isfile(os.path.join(path, "config.json")) or not (
+            os.path.isfile(os.path.join(run, "metrics.jsonl")) or os.path.isdir(os.path.join(run, "checkpoints"))):
+        return None
+    ckpts = sorted(os.listdir(os.path.join(run, "checkpoints"))) if os.path.isdir(os.path.join(run, "checkpoints")) else []
+    steps = []
+    if os.path.isfile(os.path.join(run, "metrics.jsonl")):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            steps = [json.loads(l).get("step") for l in f if l.strip().startswith("{") and l.strip().endswith("}")]
+    return (f"model.path={path}: {run} is a run that did not finish (no final/; metrics up to step "
+            f"{max((x for x in steps if x is not None), default=0)}, checkpoints: {ckpts or 'none'}): run it again with "
+            f"the same run_id (output_dir and FORGE_RUN_ID) to finish it and write final/, then point model.path there")
 
 
 def run_dir(cfg: Any) -> str:

@@ -18,7 +18,7 @@ RECIPES = sorted(os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes(recipe):
     cfg = load_config(recipe)
-    assert cfg.recipe == recipe and cfg.loss.name == "grpo"
+    assert cfg.recipe == recipe and cfg.loss.name == ("sft" if recipe.endswith("_sft") else "grpo")
     if recipe in ("qwen3_1_7b", "qwen3_8b", "llama3_8b"):  # the published GPU settings
         assert cfg.generator.group_size == 8
         assert cfg.generator.max_prompt_tokens == 1024 and cfg.generator.max_response_tokens == 1024

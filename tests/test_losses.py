@@ -24,6 +24,8 @@ from forge_core.losses import (
     make_loss_config,
 )
 
+PG_LOSSES = [n for n in LOSS_CONFIGS if n != "sft"]  # the policy-gradient losses (sft: test_sft_loss below)
+
 F64 = torch.float64
 
 
@@ -464,7 +466,7 @@ def test_weight_clip_boundaries(name, overrides):
 
 
 @pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_on_policy_gradient_is_plain_policy_gradient(name, aggregation):
     """behaviour == policy: every loss's gradient is the plain policy gradient -A * w_i."""
     cfg = dataclasses.replace(make_loss_config(name), aggregation=aggregation, beta=0.0)
@@ -496,7 +498,7 @@ def test_on_policy_grpo_gradient_detaches_behaviour():
     torch.testing.assert_close(leaf.grad, leaf2.grad, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_all_zero_advantages(name):
     lp, old, ref, adv, mask = make_inputs(seed=5)
     zeros = torch.zeros_like(adv)
@@ -513,7 +515,7 @@ def test_all_zero_advantages(name):
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_fully_masked_row_is_skipped(name):
     cfg = dataclasses.replace(make_loss_config(name), aggregation="seq_mean", beta=0.05)
     lp, old, ref, adv, mask = make_inputs(seed=9)
@@ -527,7 +529,7 @@ def test_fully_masked_row_is_skipped(name):
 
 
 @pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_all_masked_batch_is_zero_not_nan(name, aggregation):
     cfg = dataclasses.replace(make_loss_config(name), aggregation=aggregation, beta=0.05)
     lp, old, ref, adv, _ = make_inputs(seed=1)
@@ -538,7 +540,7 @@ def test_all_masked_batch_is_zero_not_nan(name, aggregation):
     assert all(math.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_garbage_under_the_mask_does_not_leak(name):
     cfg = dataclasses.replace(make_loss_config(name), beta=0.05)
     lp, old, ref, adv, mask = make_inputs(seed=13, token_adv=True)
@@ -554,7 +556,7 @@ def test_garbage_under_the_mask_does_not_leak(name):
 
 
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_low_precision_inputs_compute_in_fp32(name, in_dtype):
     cfg = dataclasses.replace(make_loss_config(name), beta=0.05)
     lp, old, ref, adv, mask = make_inputs(seed=17, B=8, T=64)
@@ -577,7 +579,7 @@ def test_low_precision_inputs_compute_in_fp32(name, in_dtype):
 
 def test_metrics_keys_and_types():
     lp, old, ref, adv, mask = make_inputs(seed=21)
-    for name in LOSS_CONFIGS:
+    for name in PG_LOSSES:
         _, metrics = compute_loss(make_loss_config(name), lp, old, adv, mask, ref_logprobs=ref)
         assert set(METRIC_KEYS) <= set(metrics), name
         assert all(type(v) is float for v in metrics.values()), name
@@ -638,7 +640,7 @@ def test_loss_config_registry_and_defaults():
     for name, cls in LOSS_CONFIGS.items():
         cfg = cls()
         assert cfg.name == name and isinstance(cfg, L.LossConfig)
-    assert set(LOSS_CONFIGS) == {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "reinforce"}
+    assert set(LOSS_CONFIGS) == {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "reinforce", "sft"}
     g = L.GRPOLossConfig()
     assert (g.clip_low, g.clip_high, g.beta, g.aggregation, g.kl_estimator) == (0.2, 0.2, 0.04, "seq_mean", "k3")
     d = L.DAPOLossConfig()
@@ -648,7 +650,7 @@ def test_loss_config_registry_and_defaults():
     assert L.GSPOLossConfig().aggregation == "seq_mean"
 
 
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", PG_LOSSES)
 def test_dictconfig_gives_the_same_result(name):
     omegaconf = pytest.importorskip("omegaconf")
     lp, old, ref, adv, mask = make_inputs(seed=29)
@@ -782,3 +784,16 @@ def test_advantage_errors():
         group_advantages(torch.tensor([[1.0, math.nan]]), "mean")
     adv, zv = group_advantages(torch.tensor([[1.0], [2.0]]), "zscore")
     assert adv.tolist() == [[0.0], [0.0]] and zv.all()
+
+
+def test_sft_loss_is_the_targets_mean_cross_entropy():
+    """loss=sft: -mean over unmasked target tokens of logp, whatever the advantages and behaviour
+    log-probs; its gradient is -1/N on each unmasked token; beta must be 0."""
+    cfg = make_loss_config("sft")
+    lp, old, _, adv, mask = make_inputs(seed=5)
+    loss, grad, _ = run_impl(cfg, lp, old, adv, mask)
+    m = mask.to(F64)
+    torch.testing.assert_close(loss, -(lp * m).sum() / m.sum(), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad, -m / m.sum(), rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="beta must be 0 for sft"):
+        compute_loss(make_loss_config("sft", beta=0.1), lp, old, adv, mask, lp)

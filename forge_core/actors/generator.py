@@ -114,6 +114,20 @@ def sampling_of(g: Any, sampling: Optional[dict] = None) -> dict:
     return s
 
 
+def sft_episode(tok: Any, problem: Problem, target: str, system_prompt: str, max_prompt_tokens: int,
+                max_response_tokens: int) -> Episode:
+    """An SFT example as an :class:`Episode`: the chat-formatted prompt (left-truncated to
+    ``max_prompt_tokens``) and the ``target`` text's tokens plus EOS as the response (cut to
+    ``max_response_tokens``; then ``truncated``), advantage 1, behaviour log-probs 0 (unused by
+    ``loss=sft``). Shapes: ``prompt_ids`` [P], ``response_ids`` [R] token ids."""
+    prompt = tok(chat_prompt(tok, problem, system_prompt), add_special_tokens=False).input_ids[-max_prompt_tokens:]
+    response = tok(target, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    cut = response[:max_response_tokens]
+    return Episode(prompt_id=problem.id, group=0, target=problem.answer, example=problem.row, prompt_ids=prompt,
+                   response_ids=cut, behaviour_logprobs=[0.0] * len(cut), text=target, policy_version=0,
+                   truncated=len(response) > max_response_tokens, advantage=1.0)
+
+
 def flatten_parameters(model: torch.nn.Module) -> tuple[torch.Tensor, list]:
     """Re-point every parameter of ``model`` at a view of one new flat buffer (same dtype), so that
     writing the buffer updates the model. Returns ``(flat, layout)`` with ``layout`` =
@@ -190,6 +204,13 @@ class Generator(Actor):
                        truncated=o["truncated"]) for i, o in enumerate(outs)]
         ntok = sum(len(e.response_ids) for e in eps)
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt}
+
+    @endpoint
+    async def sft_episodes(self, problems: list[Problem], targets: list[str]) -> list[Episode]:
+        """The SFT examples ``problems`` with their ``targets`` tokenized (:func:`sft_episode`)."""
+        g = self.g
+        return [sft_episode(self.tok, p, t, self.system_prompt, g.max_prompt_tokens, g.max_response_tokens)
+                for p, t in zip(problems, targets)]
 
     @endpoint
     async def update_weights(self, handle: WeightHandle, staged: bool = False) -> dict:

@@ -311,6 +311,16 @@ class VllmGenerator(Actor):
         ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return (self._episodes(outs, prompts) if episodes else None), {"s": dt, "tokens": ntok, "tok_s": ntok / dt}
 
+    @endpoint
+    async def sft_episodes(self, problems: list[Problem], targets: list[str]) -> list[Episode]:
+        """The SFT examples ``problems`` with their ``targets`` tokenized
+        (:func:`forge_core.actors.generator.sft_episode`)."""
+        from forge_core.actors.generator import sft_episode
+
+        g = self.g
+        return [sft_episode(self.tok, p, t, self.system_prompt, g.max_prompt_tokens, g.max_response_tokens)
+                for p, t in zip(problems, targets)]
+
     # ---- weights ------------------------------------------------------------------------------
     @endpoint
     async def update_weights(self, handle: WeightHandle, staged: bool = False) -> dict:

@@ -1,0 +1,100 @@
+"""Supervised fine-tuning (``loss=sft``) end to end through the CLI with the tiny model: an SFT run's
+checkpoint resumes exactly; GRPO starts from its ``final/`` (the trainer and the reference hold its
+weights bit for bit); and the bad input of that path (a missing target, an unfinished run as
+``model.path``, SFT without trainer GPUs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forge_core.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.max_response_tokens=24",
+        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+        "eval.every=0", "eval.at_start=false"]
+
+
+def cli(*args, timeout=600):
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "launch.local", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "batch_hash" in r]
+
+
+@pytest.mark.slow
+def test_an_sft_run_resumes_exactly_and_grpo_starts_from_its_final(tmp_path):
+    """Two SFT steps, then the same run resumed to four (from its step-2 checkpoint), equal an
+    uninterrupted four-step run: the same examples (``batch_hash``) and losses. GRPO with
+    ``model.path=<run>/final`` then trains from those weights: its reference holds them bit for bit."""
+    out = tmp_path / "runs"
+    common = ["smollm2_135m_sft", *TINY, f"output_dir={out}", "checkpoint.every=2"]
+    for args in (["steps=4", "run_id=whole"], ["steps=2", "run_id=cut"], ["steps=4", "run_id=cut"]):
+        r = cli("run", *common, *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+    whole, cut = rows(out / "whole"), rows(out / "cut")
+    assert [x["step"] for x in cut] == [1, 2, 3, 4]
+    assert [x["batch_hash"] for x in cut] == [x["batch_hash"] for x in whole]
+    assert [x["loss"] for x in cut] == pytest.approx([x["loss"] for x in whole], rel=1e-5)
+    assert all(x["target_tokens"] > 0 and x["loss"] > 0 for x in cut)
+
+    from safetensors.torch import load_file
+
+    from forge_core.services import call, spawn_services
+
+    final = str(out / "whole" / "final")
+    sft_weights = load_file(os.path.join(final, "model.safetensors"))
+
+    async def go():
+        cfg = load_config("smollm2_135m", [*TINY, f"model.path={final}", "generator.group_size=2"])
+        svc = await spawn_services(cfg)
+        try:
+            await call("reference", svc.reference.load_initial, await call("trainer", svc.trainer.publish))
+            loaded = await call("reference", svc.reference.digest)  # what the trainer handed it (version 0)
+            return (await call("trainer", svc.trainer.state_dict), loaded,
+                    await call("reference", svc.reference.rebuild_initial))  # final/ read from disk again
+        finally:
+            await svc.stop()
+
+    import asyncio
+    trainer_w, reference_digest, from_disk_digest = asyncio.run(go())
+    assert set(trainer_w) == set(sft_weights)
+    for k, v in sft_weights.items():
+        assert torch.equal(trainer_w[k], v), k
+    assert reference_digest == from_disk_digest  # the reference (GRPO's KL anchor) is the SFT checkpoint
+
+
+@pytest.mark.slow
+def test_bad_sft_input_is_named(tmp_path):
+    """A training row without a target names the row; ``model.path`` at an SFT run that did not finish
+    names what the run has and how to finish it; SFT on a GPU recipe without trainer GPUs is refused."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        with open(data / f"{split}.jsonl", "w") as f:
+            f.write(json.dumps({"q": "1 + 1?", "sol": "2"}) + "\n" + json.dumps({"q": "2 + 2?", "sol": ""}) + "\n")
+    r = cli("run", "smollm2_135m_sft", *TINY, "data.source=file", f"data.train={data}/train.jsonl",
+            f"data.test={data}/test.jsonl", "data.prompt_field=q", "data.answer_field=sol", "reward.fn=math",
+            f"output_dir={tmp_path}/runs")
+    assert r.returncode == 2 and "train.jsonl:2: no SFT target: field 'sol' is missing or empty" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+    run = tmp_path / "sft_run"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4, 5)))
+    r = cli("run", "smollm2_135m", *TINY, f"model.path={run}/final")
+    assert r.returncode == 2 and f"{run} is a run that did not finish (no final/; metrics up to step 5, " \
+        f"checkpoints: ['step_000004'])" in r.stderr and "the same run_id" in r.stderr, r.stderr
+
+    with pytest.raises(ConfigError, match=r"loss=sft trains on the trainer's GPUs, and layout.trainer.gpus=0"):
+        load_config("qwen3_1_7b", ["loss=sft", "loss.beta=0", "layout.trainer.gpus=0"])
+    with pytest.raises(ConfigError, match=r"loss=sft: beta must be 0"):
+        load_config("smollm2_135m_sft", ["loss.beta=0.1"])
