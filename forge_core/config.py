@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from forge_core import SECRETS
 from forge_core.data import SOURCES, DataConfig
 from forge_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from forge_core.lora import LoRAConfig, validate as validate_lora
 from forge_core.losses import LOSS_CONFIGS, LossConfig, validate_loss
 from forge_core.models import ModelConfig
 from forge_core.rewards import RewardConfig, RewardError, load_reward_fn
@@ -55,7 +56,12 @@ class GeneratorConfig:
     on the shared GPU and ``max_staleness`` may be 1, best under CUDA MPS); ``kv_cache_dtype``:
     vLLM's KV-cache dtype, ``auto`` (the weights') or ``fp8`` (e4m3, unscaled: half the bytes read
     per decoded token, at a small cost in how closely the behaviour logprobs match the trainer's;
-    the ``hf`` backend takes ``auto`` only)."""
+    the ``hf`` backend takes ``auto`` only); ``quantization``: the engine's weights, ``none`` (the
+    published dtype) or ``fp8`` (vLLM's online FP8: every linear layer's weight quantised to e4m3
+    with one scale per tensor at each weight sync, activations quantised dynamically; embeddings,
+    norms and the LM head stay in ``dtype``; needs a GPU of compute capability 8.9 or newer, and the
+    ``vllm`` backend). Both FP8 settings widen the gap between the sampler's and the trainer's
+    log-probs: ``mismatch_kl`` in the metrics measures it, ``loss.rollout_correction`` corrects it."""
 
     backend: str = "hf"
     group_size: int = 4
@@ -68,6 +74,7 @@ class GeneratorConfig:
     max_num_seqs: int = 256
     sleep_level: int = 1
     kv_cache_dtype: str = "auto"
+    quantization: str = "none"
 
 
 @dataclass
@@ -89,7 +96,8 @@ class TrainerConfig:
     ``mps_client_priority``: 1 runs the trainer's and the reference's processes as below-normal
     priority clients under a running CUDA MPS daemon (``CUDA_MPS_CLIENT_PRIORITY``), so that an awake
     colocated engine's (``generator.sleep_level=0``) decoding kernels are scheduled first while
-    training overlaps it; 0 (default): normal; ignored without MPS."""
+    training overlaps it; 0 (default): normal; ignored without MPS. ``lora``: LoRA adapters instead
+    of the full fine-tune (:class:`forge_core.lora.LoRAConfig`; ``rank`` 0: off)."""
 
     lr: float = 1e-5
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -103,6 +111,7 @@ class TrainerConfig:
     tp: int = 1
     compile: bool = False
     mps_client_priority: int = 0
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -276,7 +285,8 @@ def _check(cfg: DictConfig, where: str) -> None:
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
                "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
                "data.source": SOURCES,
-               "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",)}
+               "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",),
+               "generator.quantization": ("none", "fp8") if cfg.generator.backend == "vllm" else ("none",)}
     for key, allowed in choices.items():
         v = OmegaConf.select(cfg, key)
         if v not in allowed:
@@ -301,6 +311,10 @@ def _check(cfg: DictConfig, where: str) -> None:
                 raise ConfigError(f"{where}: {key} must be {what}, got {v}")
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         raise ConfigError(f"{where}: trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
+    try:
+        validate_lora(cfg)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
     try:
         validate_loss(cfg.loss)
     except ValueError as e:

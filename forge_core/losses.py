@@ -25,8 +25,9 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_horizon")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
 METRIC_KEYS = ("ratio_mean", "ratio_min", "ratio_max", "clip_frac_low", "clip_frac_high", "kl_mean", "kl_max",
-               "masked_frac")
+               "mismatch_kl", "mismatch_max", "is_ratio_mean", "is_ratio_max", "is_corrected_frac", "masked_frac")
 # Config fields use typing.Optional (not ``X | None``): OmegaConf.structured / Hydra's ConfigStore
 # accept it on all supported OmegaConf versions. Subclasses restate only the fields they change.
 
@@ -43,6 +44,10 @@ class LossConfig:
         aggregation: ``"token_mean" | "seq_mean" | "fixed_horizon"``, see :func:`aggregate`.
         horizon: the max length L used by ``fixed_horizon`` (loss = sum / (B * L)); ``None``
             means the padded width T of the batch. Ignored by the other aggregations.
+        rollout_correction: ``"none" | "tis" | "mis"``, the token-level correction for the gap
+            between the sampler's and the trainer's probabilities (train-inference mismatch: vLLM's
+            kernels, FP8 weights or KV cache, or policy versions behind), see :func:`compute_loss`.
+        correction_cap: the cap C of the importance weight (> 0; 2 in Yao et al. 2025).
     """
 
     name: str = "grpo"
@@ -50,6 +55,8 @@ class LossConfig:
     kl_estimator: str = "k3"
     aggregation: str = "token_mean"
     horizon: Optional[int] = None
+    rollout_correction: str = "none"
+    correction_cap: float = 2.0
 
 
 @dataclass
@@ -166,19 +173,15 @@ class SAPOLossConfig(LossConfig):
 @dataclass
 class ReinforceLossConfig(LossConfig):
     """REINFORCE (Williams, 1992, "Simple statistical gradient-following algorithms for connectionist
-    reinforcement learning", Machine Learning 8:229-256) with optional truncated importance sampling
-    (TIS). Per token::
+    reinforcement learning", Machine Learning 8:229-256). Per token::
 
-        w_t = sg(min(r_t, tis_cap))  if tis_cap is not None else 1
-        loss_t = -w_t * A_t * logp_t
+        loss_t = -A_t * logp_t
 
-    aggregated with ``token_mean``. TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly
-    Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl) corrects the
-    mismatch between the sampler's log-probs (``behaviour_logprobs``) and the trainer's; cap C = 2 there.
+    aggregated with ``token_mean``. With ``rollout_correction=tis`` this is the truncated importance
+    sampling REINFORCE of Yao et al. 2025 (-sg(min(r_t, C)) A_t logp_t), see :func:`compute_loss`.
     """
 
     name: str = "reinforce"
-    tis_cap: Optional[float] = None
 
 
 @dataclass
@@ -333,11 +336,8 @@ def _policy_term(cfg: Any, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tenso
         return _PolicyTerm(-(r.clamp(min=lo, max=hi) * adv * lp), r, r < lo, r > hi, {})
     if name == "sft":  # cross-entropy of the target tokens
         return _PolicyTerm(-lp, r, None, None, {})
-    if name == "reinforce":  # Williams 1992: -w * A * logp with w = sg(min(r, C)) (TIS, Yao et al. 2025) or 1
-        if cfg.tis_cap is None:
-            return _PolicyTerm(-(adv * lp), r, None, None, {})
-        cap = float(cfg.tis_cap)
-        return _PolicyTerm(-(r.clamp(max=cap) * adv * lp), r, None, r > cap, {})
+    if name == "reinforce":  # Williams 1992: -A * logp
+        return _PolicyTerm(-(adv * lp), r, None, None, {})
     # GRPO / Dr. GRPO / DAPO / GSPO: PPO's clipped surrogate min(r A, clip(r) A) (arXiv:1707.06347),
     # written with explicit branch masks instead of min/clamp so the gradient at a tie is well
     # defined (on the boundary: inside). The clipped value is picked only when clipping lowers the
@@ -383,8 +383,13 @@ def validate_loss(cfg: Any) -> None:
                 raise ValueError(f"{field} must be > 0, got {getattr(cfg, field)!r}")
     if name == "sft" and float(cfg.beta) != 0.0:
         raise ValueError(f"beta must be 0 for sft (an SFT run has no reference model), got {cfg.beta!r}")
-    if name == "reinforce" and cfg.tis_cap is not None and not float(cfg.tis_cap) > 0.0:
-        raise ValueError(f"tis_cap must be > 0 (or None), got {cfg.tis_cap!r}")
+    correction = getattr(cfg, "rollout_correction", "none")
+    if correction not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout_correction={correction!r}; expected one of {ROLLOUT_CORRECTIONS}")
+    if correction != "none" and not float(cfg.correction_cap) > 0.0:
+        raise ValueError(f"correction_cap must be > 0, got {cfg.correction_cap!r}")
+    if name == "sft" and correction != "none":
+        raise ValueError(f"rollout_correction must be none for sft (its targets are not sampled), got {correction!r}")
 
 
 def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -417,7 +422,25 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
         only; SAPO has no hard clip: 0), ``kl_mean/max`` (of the chosen estimator; 0 without
         ``ref_logprobs``) and ``masked_frac`` (share of the B*T positions that are masked).
         Some losses add keys: ``clip_frac_dual`` (dual clip active), ``sapo_grad_weight_mean``.
+        The train-inference mismatch, with rho_t = exp(sg(logprobs_t) - behaviour_logprobs_t) the
+        trainer's probability of the sampled token over the sampler's: ``mismatch_kl`` = mean of
+        rho - 1 - log rho (k3 estimate of KL(sampler || trainer), Schulman 2020; prime-rl's
+        ``mismatch_kl``), ``mismatch_max`` = max |log rho|, ``is_ratio_mean/max`` (rho) and
+        ``is_corrected_frac`` (share of tokens with rho > ``correction_cap``: truncated by ``tis``,
+        masked by ``mis``, and counted under ``none`` too); 0 (ratios 1) for ``sft``.
         With no unmasked token, ratios read 1.0 and the other token metrics 0.0.
+
+    Rollout correction (``cfg.rollout_correction``; Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; Liu et
+    al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
+    Mismatch", https://yingru.notion.site/When-Speed-Kills-Stability): ``none`` is each loss as its
+    paper writes it, with pi_old = the sampler's log-probs. ``tis`` and ``mis`` take pi_old = the
+    trainer's own log-probs sg(logprobs) (so the loss's ratio r_t is 1 in value: one optimizer step
+    per batch) and weight every token's loss by w_t = min(rho_t, C) (``tis``, truncated) or
+    w_t = rho_t * 1[rho_t <= C] (``mis``, masked), C = ``correction_cap``: the decoupled objective of
+    AReaL (Fu et al. 2025, arXiv:2505.24298) with the current policy as the proximal one, as verl's
+    ``rollout_correction`` computes it. For an episode generated by the current version rho_t is
+    the kernels' and precisions' mismatch alone; for a stale one it also holds the policy's drift.
 
     Raises:
         ValueError: unknown ``cfg.name`` / ``kl_estimator`` / ``aggregation`` (the message
@@ -449,19 +472,29 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     old = torch.where(m, behaviour_logprobs.detach().to(dtype), 0.0)
     adv = advantages.detach().to(dtype)
     adv = torch.where(m, adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv, 0.0)
-    term = _policy_term(cfg, lp, old, adv, m)
+    # Train-inference mismatch: the trainer's own log-probs of the sampled tokens (sg(logprobs): this
+    # version's weights, which generated the episode unless it is stale) against the sampler's.
+    gap = torch.where(m, lp.detach() - old, 0.0)  # log rho_t
+    rho = torch.exp(gap)
+    correction, cap = getattr(cfg, "rollout_correction", "none"), float(getattr(cfg, "correction_cap", 2.0))
+    term = _policy_term(cfg, lp, old if correction == "none" else lp.detach(), adv, m)
     per_token = term.loss
+    if correction == "tis":
+        per_token = per_token * rho.clamp(max=cap)
+    elif correction == "mis":
+        per_token = per_token * torch.where(rho <= cap, rho, 0.0)
     kl = None
     if ref_logprobs is not None:
         kl = kl_estimate(lp, torch.where(m, ref_logprobs.detach().to(dtype), 0.0), cfg.kl_estimator)
         if beta > 0:
             per_token = per_token + beta * kl
     loss = aggregate(per_token, m, cfg.aggregation, getattr(cfg, "horizon", None))
-    metrics = _metrics(term, kl, m)
+    metrics = _metrics(term, kl, None if cfg.name == "sft" else (gap, rho, cap), m)
     return loss, metrics if lazy else metrics()
 
 
-def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> Callable[[], dict[str, float]]:
+def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], mismatch: Optional[tuple], m: torch.Tensor
+             ) -> Callable[[], dict[str, float]]:
     """Reduce the per-token statistics to the metrics of :func:`compute_loss` on their device; the
     returned function copies them to the host (one copy) and names them."""
     with torch.no_grad():
@@ -480,15 +513,21 @@ def _metrics(term: _PolicyTerm, kl: Optional[torch.Tensor], m: torch.Tensor) -> 
         stats = [n.to(dtype), mean(r), torch.where(m, r, float("inf")).amin(), torch.where(m, r, -float("inf")).amax(),
                  frac(term.clipped_low), frac(term.clipped_high)]
         stats += [zero, zero] if kl is None else [mean(kl), torch.where(m, kl, -float("inf")).amax()]
+        if mismatch is None:  # SFT: no sampler
+            stats += [zero, zero, zero + 1, zero + 1, zero]
+        else:
+            gap, rho, cap = mismatch
+            stats += [mean(torch.expm1(gap) - gap), torch.where(m, gap.abs(), zero).amax(), mean(rho),
+                      torch.where(m, rho, zero).amax(), frac(rho > cap)]
         stats += [frac(v) if v.dtype == torch.bool else mean(v.to(dtype)) for v in term.extra.values()]
         stats = torch.stack(stats)
-    keys, numel = METRIC_KEYS[:7] + tuple(term.extra), m.numel()
+    keys, numel = METRIC_KEYS[:-1] + tuple(term.extra), m.numel()
 
     def host() -> dict[str, float]:
         count, *values = stats.tolist()
         out = dict(zip(keys, values))
         if count == 0:  # nothing unmasked: neutral values instead of +-inf / NaN
-            out = {k: 1.0 if k.startswith("ratio_") else 0.0 for k in out}
+            out = {k: 1.0 if k.startswith(("ratio_", "is_ratio_")) else 0.0 for k in out}
         out["masked_frac"] = 1.0 - count / numel
         return out
 

@@ -20,7 +20,9 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
         step: the steps taken so far (1-based: the step just trained).
         trainer: the trainer's ``train_step`` metrics: ``version``, ``loss``, ``clip_frac``,
             ``grad_norm``, ``train_s``; ``kl_mean``, ``kl_max``, ``clip_frac_low``, ``clip_frac_high``,
-            ``ratio_mean``, ``tokens_per_s`` where the loss reports them (else 0, ratio 1).
+            ``ratio_mean``, ``tokens_per_s``, the train-inference mismatch ``mismatch_kl``,
+            ``mismatch_max``, ``is_ratio_mean``, ``is_ratio_max``, ``is_corrected_frac``
+            (:func:`forge_core.losses.compute_loss`) where the loss reports them (else 0, ratios 1).
         batch: the trained batch's ``batch_hash`` (:func:`batch_hash`) and :func:`batch_stats`.
         sync: the previous weight sync's figures: ``weight_sync_s``, ``weight_transfer_s``,
             ``weight_sync_exposed_s`` (seconds), ``weight_sync_gb_s`` (GB/s); 0 when absent.
@@ -41,6 +43,8 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             "loss": tm["loss"], "kl_mean": tm.get("kl_mean", 0.0), "kl_max": tm.get("kl_max", 0.0),
             "clip_frac": tm["clip_frac"], "clip_frac_low": tm.get("clip_frac_low", 0.0),
             "clip_frac_high": tm.get("clip_frac_high", 0.0), "ratio_mean": tm.get("ratio_mean", 1.0),
+            **{k: tm.get(k, 0.0) for k in ("mismatch_kl", "mismatch_max", "is_corrected_frac")},
+            **{k: tm.get(k, 1.0) for k in ("is_ratio_mean", "is_ratio_max")},
             "grad_norm": tm["grad_norm"], "gen_tok_s": mean("gen_tok_s"), "gen_s": mean("gen_s"),
             "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
             "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": timings["wait_for_rollout_s"],

@@ -28,6 +28,16 @@ def test_gpu_config_validation():
     with pytest.raises(ConfigError, match="generator.kv_cache_dtype='int4'"):
         load_config("qwen3_1_7b", ["generator.kv_cache_dtype=int4"])
     assert load_config("qwen3_1_7b", ["generator.kv_cache_dtype=fp8"]).generator.kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="generator.quantization='fp8'"):  # vLLM only
+        load_config("smollm2_135m", ["generator.quantization=fp8"])
+    with pytest.raises(ConfigError, match="generator.quantization='int8'"):
+        load_config("qwen3_1_7b", ["generator.quantization=int8"])
+    assert load_config("qwen3_1_7b", ["generator.quantization=fp8"]).generator.quantization == "fp8"
+    with pytest.raises(ConfigError, match="correction_cap must be > 0"):
+        load_config("qwen3_1_7b", ["loss.rollout_correction=tis", "loss.correction_cap=0"])
+    with pytest.raises(ConfigError, match="rollout_correction='is'"):
+        load_config("smollm2_135m", ["loss.rollout_correction=is"])
+    assert load_config("smollm2_135m", ["loss=dapo", "loss.rollout_correction=mis"]).loss.rollout_correction == "mis"
     with pytest.raises(ConfigError, match="trainer.mps_client_priority=2"):
         load_config("qwen3_1_7b", ["trainer.mps_client_priority=2"])
     awake = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "generator.sleep_level=0",  # overlap on one GPU

@@ -103,9 +103,28 @@ def ref_loss(cfg, lp, old, adv, mask, ref=None):
     ratios, kls = [], []
     counts = {"low": 0, "high": 0, "dual": 0}
     sapo_weights = []
+    # Train-inference mismatch rho = pi_trainer / pi_sampler of each sampled token; with a rollout
+    # correction pi_old becomes the trainer's own log-probs and each token's policy term is weighted.
+    rho = [[math.exp(lp[i][t] - old[i][t]) for t in range(T)] for i in range(B)]
+    cap, corr = cfg.correction_cap, cfg.rollout_correction
+    is_w = [[1.0 if corr == "none" else min(x, cap) if corr == "tis" else (x if x <= cap else 0.0) for x in row]
+            for row in rho]
+    gaps = [lp[i][t] - old[i][t] for i in range(B) for t in range(T) if mask[i][t]]
+    if corr != "none":
+        old = [row[:] for row in lp]
 
     for i in range(B):
-        if cfg.name == "gspo" and n[i] > 0:
+        if cfg.name == "gspo" and n[i] > 0 and corr != "none":  # GSPO-token with per-token weights
+            s = math.exp(sum(lp[i][t] - old[i][t] for t in range(T) if mask[i][t]) / n[i])
+            for t in range(T):
+                if mask[i][t]:
+                    obj, d, which = ref_ppo_token(s, A[i][t], cfg.clip_low, cfg.clip_high, None)
+                    loss += w[i] * is_w[i][t] * (-obj)
+                    grad[i][t] += w[i] * is_w[i][t] * (-d)
+                    ratios.append(s)
+                    if which:
+                        counts[which] += 1
+        elif cfg.name == "gspo" and n[i] > 0:
             # s_i = (prod_t pi/pi_old)^(1/|y_i|) = exp(mean_t (lp - old))   (GSPO eq. 7)
             s = math.exp(sum(lp[i][t] - old[i][t] for t in range(T) if mask[i][t]) / n[i])
             lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
@@ -167,15 +186,11 @@ def ref_loss(cfg, lp, old, adv, mask, ref=None):
                 ratios.append(r)
                 sapo_weights.append(4.0 * sg * (1.0 - sg) * r)
             elif cfg.name == "reinforce":
-                if cfg.tis_cap is None:
-                    weight = 1.0
-                else:
-                    weight = min(r, cfg.tis_cap)  # stop-gradient: a constant
-                    counts["high"] += r > cfg.tis_cap
-                value, dvalue = -weight * a * lp[i][t], -weight * a
+                value, dvalue = -a * lp[i][t], -a
                 ratios.append(r)
             else:
                 raise AssertionError(cfg.name)
+            value, dvalue = is_w[i][t] * value, is_w[i][t] * dvalue  # stop-gradient weight
             if ref is not None:
                 k, dk = ref_kl(lp[i][t], ref[i][t], cfg.kl_estimator)
                 kls.append(k)
@@ -196,6 +211,11 @@ def ref_loss(cfg, lp, old, adv, mask, ref=None):
             clip_frac_high=counts["high"] / n_tok,
             kl_mean=sum(kls) / n_tok if kls else 0.0,
             kl_max=max(kls) if kls else 0.0,
+            mismatch_kl=sum(math.exp(g) - 1.0 - g for g in gaps) / n_tok,
+            mismatch_max=max(abs(g) for g in gaps),
+            is_ratio_mean=sum(math.exp(g) for g in gaps) / n_tok,
+            is_ratio_max=max(math.exp(g) for g in gaps),
+            is_corrected_frac=sum(math.exp(g) > cap for g in gaps) / n_tok,
         )
         if cfg.name in ("grpo", "dr_grpo", "dapo") and cfg.dual_clip is not None:
             metrics["clip_frac_dual"] = counts["dual"] / n_tok
@@ -286,7 +306,14 @@ VARIANTS = [
     ("sapo", {}),
     ("sapo", {"tau_pos": 0.5, "tau_neg": 3.0}),
     ("reinforce", {}),
-    ("reinforce", {"tis_cap": 1.5}),
+    ("reinforce", {"rollout_correction": "tis", "correction_cap": 1.5}),
+    ("grpo", {"rollout_correction": "tis"}),
+    ("grpo", {"rollout_correction": "mis", "correction_cap": 1.5}),
+    ("dapo", {"rollout_correction": "mis"}),
+    ("gspo", {"rollout_correction": "tis", "correction_cap": 1.5}),
+    ("cispo", {"rollout_correction": "mis", "correction_cap": 3.0}),
+    ("sapo", {"rollout_correction": "tis"}),
+    ("dr_grpo", {"rollout_correction": "tis", "correction_cap": 1.2}),
 ]
 VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]
 
@@ -331,7 +358,9 @@ def test_reference_comparison_is_sensitive():
         (make_loss_config("gspo", clip_low=0.05, clip_high=0.1), dict(clip_high=0.2)),
         (make_loss_config("cispo"), dict(clip_high=0.5)),
         (make_loss_config("sapo"), dict(tau_neg=1.0)),
-        (make_loss_config("reinforce", tis_cap=1.5), dict(tis_cap=None)),
+        (make_loss_config("reinforce", rollout_correction="tis", correction_cap=1.5), dict(correction_cap=2.5)),
+        (make_loss_config("grpo", rollout_correction="tis"), dict(rollout_correction="mis")),
+        (make_loss_config("grpo", rollout_correction="mis"), dict(rollout_correction="none")),
         (make_loss_config("dr_grpo"), dict(horizon=12)),
     ]
     for cfg, change in pairs:
@@ -447,7 +476,8 @@ def test_gspo_sequence_ratio_at_and_beyond_boundary():
     assert torch.all(grad2 == 0) and m2["clip_frac_high"] == 1.0
 
 
-@pytest.mark.parametrize("name,overrides", [("cispo", {}), ("reinforce", {"tis_cap": 2.0})])
+@pytest.mark.parametrize("name,overrides", [("cispo", {}), ("reinforce", {"rollout_correction": "tis",
+                                                                         "correction_cap": 2.0})])
 def test_weight_clip_boundaries(name, overrides):
     """CISPO / TIS: the weight is clipped but every token keeps a gradient -w*A."""
     cfg = make_loss_config(name, **overrides)
@@ -461,8 +491,43 @@ def test_weight_clip_boundaries(name, overrides):
     r = torch.exp(lp - old)[0].tolist()
     weights = [min(x, hi) for x in r]
     torch.testing.assert_close(grad[0], torch.tensor([-2.0 * x / 4 for x in weights], dtype=F64), rtol=1e-12, atol=0)
-    assert metrics["clip_frac_high"] == pytest.approx(2 / 4)  # at the boundary is not clipped
+    key = "is_corrected_frac" if name == "reinforce" else "clip_frac_high"
+    assert metrics[key] == pytest.approx(2 / 4)  # at the boundary is not clipped
     assert all(g != 0 for g in grad[0].tolist())
+
+
+@pytest.mark.parametrize("name", PG_LOSSES)
+def test_mis_masks_the_tokens_beyond_the_cap_and_tis_truncates_them(name):
+    """With pi_old = the trainer's log-probs, a token whose trainer/sampler ratio rho exceeds the cap
+    keeps weight C (tis) or none at all (mis); below the cap both weigh it by rho."""
+    lp = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    old = lp - torch.tensor([[math.log(3.0), math.log(1.5), 0.0, math.log(0.5)]], dtype=F64)  # rho 3, 1.5, 1, .5
+    adv, mask = torch.tensor([1.0], dtype=F64), torch.ones_like(lp, dtype=torch.bool)
+    grads = {}
+    for corr in ("tis", "mis"):
+        cfg = dataclasses.replace(make_loss_config(name), rollout_correction=corr, correction_cap=2.0, beta=0.0,
+                                  aggregation="token_mean")
+        _, grads[corr], m = run_impl(cfg, lp, old, adv, mask)
+        assert m["is_corrected_frac"] == pytest.approx(1 / 4) and m["is_ratio_max"] == pytest.approx(3.0)
+    plain = run_impl(dataclasses.replace(make_loss_config(name), beta=0.0, aggregation="token_mean"),
+                     lp, lp.clone(), adv, mask)[1]  # on policy: -A/n per token for every loss
+    torch.testing.assert_close(grads["tis"][0], plain[0] * torch.tensor([2.0, 1.5, 1.0, 0.5], dtype=F64))
+    torch.testing.assert_close(grads["mis"][0], plain[0] * torch.tensor([0.0, 1.5, 1.0, 0.5], dtype=F64))
+
+
+def test_mismatch_metrics_are_zero_on_policy_and_grow_with_the_gap():
+    """mismatch_kl is the k3 estimate of KL(sampler || trainer): 0 when the two agree, and
+    rho - 1 - log rho per token otherwise; the correction setting does not change it."""
+    lp, _, ref, adv, mask = make_inputs(seed=5)
+    _, m0 = compute_loss(make_loss_config("grpo"), lp, lp.clone(), adv, mask, ref)
+    assert m0["mismatch_kl"] == 0.0 and m0["mismatch_max"] == 0.0 and m0["is_ratio_mean"] == 1.0
+    gap = 0.1
+    for corr in ("none", "tis", "mis"):
+        _, m = compute_loss(make_loss_config("grpo", rollout_correction=corr), lp, lp - gap, adv, mask, ref)
+        assert m["mismatch_kl"] == pytest.approx(math.exp(gap) - 1 - gap, rel=1e-9)
+        assert m["mismatch_max"] == pytest.approx(gap) and m["is_ratio_mean"] == pytest.approx(math.exp(gap))
+    _, sft = compute_loss(make_loss_config("sft"), lp, torch.zeros_like(lp), adv, mask)
+    assert sft["mismatch_kl"] == 0.0 and sft["is_ratio_mean"] == 1.0
 
 
 @pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
@@ -646,7 +711,7 @@ def test_loss_config_registry_and_defaults():
     d = L.DAPOLossConfig()
     assert (d.clip_low, d.clip_high, d.dual_clip, d.aggregation, d.beta) == (0.2, 0.28, 3.0, "token_mean", 0.0)
     assert L.DrGRPOLossConfig().aggregation == "fixed_horizon" and L.DrGRPOLossConfig().beta == 0.0
-    assert L.ReinforceLossConfig().tis_cap is None
+    assert all((c().rollout_correction, c().correction_cap) == ("none", 2.0) for c in LOSS_CONFIGS.values())
     assert L.GSPOLossConfig().aggregation == "seq_mean"
 
 
@@ -676,7 +741,9 @@ def test_errors_name_the_bad_field():
         (dataclasses.replace(make_loss_config("grpo"), aggregation="sum"), "aggregation"),
         (make_loss_config("dapo", dual_clip=0.5), "dual_clip"),
         (make_loss_config("sapo", tau_neg=0.0), "tau_neg"),
-        (make_loss_config("reinforce", tis_cap=-1.0), "tis_cap"),
+        (make_loss_config("grpo", rollout_correction="tis", correction_cap=-1.0), "correction_cap"),
+        (make_loss_config("dapo", rollout_correction="is"), "rollout_correction"),
+        (make_loss_config("sft", rollout_correction="tis"), "rollout_correction"),
         (make_loss_config("grpo", clip_low=-0.1), "clip_low"),
     ]
     for cfg, field in cases:

@@ -4,6 +4,10 @@ AdamW, global-norm clipping and the configured RL loss; it publishes its weights
 One code path for both devices: fp32 master weights; bf16 compute by autocast on one device, by
 FSDP2's mixed precision (bf16 params, fp32 reductions) over several GPUs; optional full activation
 checkpointing, per-block ``torch.compile`` and TP of ``trainer.tp`` (TorchTitan's own functions).
+With ``trainer.lora.rank`` > 0 (:mod:`forge_core.lora`) only the adapters train (their gradients and
+AdamW state alone), the published weights are the merged ones, checkpoints hold the adapters, and
+the trainer also serves the reference's logprobs (:meth:`Trainer.reference_logprobs`: its base model,
+adapters off), so no reference actor holds a second copy of the weights.
 One actor per GPU: every rank gets the whole batch, takes its ``rank::world`` share and scales its
 loss by its share of the *global* token/row count (TorchTitan turns off FSDP's own gradient
 division), so the reduced gradient is the full-batch gradient. Rank 0 holds the published staging
@@ -27,6 +31,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
+from forge_core import lora as lora_mod
 from forge_core import titan
 from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
@@ -36,7 +41,7 @@ from forge_core.packing import pack_batch, pack_episodes, packed_response_logpro
 from forge_core.weight_sync import Sender, StagingBuffer, WeightHandle
 
 _SUM_KEYS = ("train_tokens", "seq_tokens")
-_MAX_KEYS = ("ratio_max", "kl_max")
+_MAX_KEYS = ("ratio_max", "kl_max", "mismatch_max", "is_ratio_max")
 _MIN_KEYS = ("ratio_min",)
 
 
@@ -86,6 +91,29 @@ def micro_batches(episodes: list, rank: int, world: int, size: int, budget: int 
     return [(b, False) for b in per_rank[rank]] + [([0], True)] * (n - len(per_rank[rank]))
 
 
+def logprob_lists(model, episodes: list, *, rank: int, world: int, micro_batch_size: int, budget: int,
+                  temperature: float, device, chunk: int, select=None, refresh=None) -> list:
+    """Response logprobs of ``episodes`` without gradients, this rank's ``rank::world`` share
+    (:func:`micro_batches`): a list with ``[R_i]`` floats for each episode this rank computed and None
+    for the others (merge the ranks' lists by index). ``refresh`` is called before each micro-batch
+    (a :class:`~forge_core.actors.process.CoreShare`'s). Every rank runs the same number of forwards."""
+    out: list = [None] * len(episodes)
+    done = []  # on the device until every micro-batch is queued: one GPU sync, not one each
+    with torch.no_grad():
+        for idx, dummy in micro_batches(episodes, rank, world, micro_batch_size, budget):
+            if refresh is not None:
+                refresh()
+            R = max(max(len(episodes[i].response_ids) for i in idx), 1)
+            lp = logprobs_of(model, episodes, idx, R, temperature=temperature, device=device, budget=budget,
+                             chunk=chunk, select=select)
+            if not dummy:
+                done.append((idx, lp))
+        for idx, lp in done:
+            for i, row in zip(idx, lp.cpu()):
+                out[i] = row[:len(episodes[i].response_ids)].tolist()
+    return out
+
+
 def logprobs_of(model, episodes: list, idx: list[int], R: int, *, temperature: float, device, budget: int,
                 chunk: int, select=None):
     """``[len(idx), R]`` float32 response logprobs of ``episodes[idx]`` (``R``: response tokens per
@@ -129,6 +157,8 @@ class Trainer(Actor):
                  port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0,
                  shared_frac: float = 0.0, cores_dir: str = ""):
         self.t = OmegaConf.create(trainer)
+        self.lora = lora_mod.LoRAConfig(**OmegaConf.to_container(self.t.lora)) if "lora" in self.t else \
+            lora_mod.LoRAConfig()
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "trainer", threads)
         self.world = max(len(gpus), 1)
@@ -142,14 +172,19 @@ class Trainer(Actor):
         self.ac = self._activation_checkpointing(seq_len, shared_gb, shared_frac)
         par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
-        self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0)
-        src = pretrained_dir(ModelConfig(**model))
-        if src:
-            titan.load_hf_dir(self.model, self.spec, src)
+        self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0,
+                                       lora=self.lora if self.lora.rank else None)
+        self.model_cfg = dict(model)
+        self.src = pretrained_dir(ModelConfig(**model))
+        if self.src:
+            titan.load_hf_dir(self.model, self.spec, self.src)
         self.model.train()
         self.select = titan.PositionSelect(self.model) if self.t.tp == 1 else None
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.t.lr, betas=tuple(self.t.betas),
+        self.trainable = lora_mod.trainable(self.model)  # every parameter without LoRA, the adapters with it
+        self.opt = torch.optim.AdamW(self.trainable, lr=self.t.lr, betas=tuple(self.t.betas),
                                      weight_decay=self.t.weight_decay, fused=device == "cuda")
+        if self.lora.rank and self.rank == 0:
+            print(f"[forge] trainer: {lora_mod.describe(self.lora, self.model)}", flush=True)
         self.adapter = titan.state_dict_adapter(self.spec)
         hidden = self.spec.hf["hidden_size"]
         self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
@@ -177,7 +212,8 @@ class Trainer(Actor):
         if self.device.type != "cuda":
             return False
         tokens = self.budget or self.t.micro_batch_size * seq_len
-        need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False)
+        need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False,
+                                     trainable=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None)
         have = torch.cuda.get_device_properties(0).total_memory / 1e9 * (0.85 - shared_frac) - shared_gb
         if self.rank == 0:
             print(f"[forge] trainer: activation checkpointing {'on' if need > have else 'off'} (estimate "
@@ -276,7 +312,7 @@ class Trainer(Actor):
                                f"checkpointing {'on' if self.ac else 'off'}): lower trainer.{knob}"
                                f"{'' if self.ac else ' or set trainer.activation_checkpointing=true'}. "
                                f"{str(e).splitlines()[0][:200]}") from None
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         for loss, metrics, share, counts in pending:
@@ -296,7 +332,8 @@ class Trainer(Actor):
         if self.device.type == "cuda":
             peak = titan.peak_tflops(torch.cuda.get_device_name(0)) * 1e12 * self.world
             avg_len = agg.get("seq_tokens", 0.0) / max(len(episodes), 1)
-            agg.update(mfu=tok_s * titan.flops_per_token(self.spec, int(avg_len)) / peak if peak else 0.0,
+            flops = titan.flops_per_token(self.spec, int(avg_len), frozen=bool(self.lora.rank))
+            agg.update(mfu=tok_s * flops / peak if peak else 0.0,
                        peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
             torch.cuda.empty_cache()  # colocated: hand the memory back before the generator wakes
         return agg

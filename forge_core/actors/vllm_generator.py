@@ -138,10 +138,46 @@ def _load(model, handle, bucket_bytes):  # runs in every vLLM worker (TP > 1: pi
     return load_into_model(model, handle, bucket_bytes)
 
 
+def _reload_quantized(worker, handle, bucket_bytes):  # every vLLM worker of a quantised engine
+    """The published (bf16) weights into an engine whose linear layers hold FP8 weights and scales:
+    vLLM's layerwise reload puts each layer back in its loading format, takes the weights, and
+    quantises the layer again once all of its weights arrived (what a start-up load does)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    initialize_layerwise_reload(model)
+    r = _load(model, handle, bucket_bytes)
+    finalize_layerwise_reload(model, worker.model_runner.model_config)
+    return r
+
+
+def _dequantized(params: dict) -> tuple[dict, set]:
+    """``(params, fp8_names)``: ``params`` with each FP8 weight of vLLM's online FP8 (stored
+    transposed, [in, out], with one float32 scale) replaced by its value weight * scale in [out, in],
+    as the trainer publishes it, and the scales dropped; ``fp8_names`` the weights so replaced."""
+    import torch
+
+    out, fp8 = {}, set()
+    for name, t in params.items():
+        if name.endswith(("weight_scale", "input_scale")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = params[name + "_scale"].float()
+            if scale.numel() != 1:
+                raise ValueError(f"{name}: {scale.numel()} scales; the FP8 weight check expects one per tensor")
+            out[name], _ = (t.float() * scale).t(), fp8.add(name)
+        else:
+            out[name] = t
+    return out, fp8
+
+
 def _digest(model, layout, hf):
     from forge_core.weight_sync import digest_of
 
     return digest_of(hf_views_of_vllm(dict(model.named_parameters()), layout, hf))
+
+
+FP8_REL_ERR = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: rounding moves a normal value by <= 2^-4 of itself
 
 
 def _mismatches(model, handle, hf, tp):  # runs in every vLLM worker: its shards vs the source bytes
@@ -149,12 +185,21 @@ def _mismatches(model, handle, hf, tp):  # runs in every vLLM worker: its shards
 
     from forge_core.weight_sync import layout_views, open_ipc
 
-    params = dict(model.named_parameters())
+    params, fp8 = _dequantized(dict(model.named_parameters()))
     rank = _rank(tp)
     per = params["model.embed_tokens.weight"].shape[0]
     full = dict(layout_views(open_ipc(handle), handle.layout))
-    return [n for n, t in hf_views_of_vllm(params, handle.layout, hf, tp)
-            if not torch.equal(t, expected_shard(n, full[n], hf, tp, rank, per).to(t.device))]
+    bad = []
+    for n, t in hf_views_of_vllm(params, handle.layout, hf, tp):
+        want = expected_shard(n, full[n], hf, tp, rank, per).to(t.device)
+        if not fp8 or n.rsplit(".", 2)[-2] in ("embed_tokens", "lm_head") or "norm" in n:
+            ok = torch.equal(t, want)  # bit for bit
+        else:  # an FP8 weight: within e4m3's rounding of the published values
+            ok = t.shape == want.shape and float((t - want.float()).norm() / want.float().norm().clamp(min=1e-30)) \
+                <= FP8_REL_ERR
+        if not ok:
+            bad.append(n)
+    return bad
 
 
 def _state_dict(model, layout, hf):
@@ -210,11 +255,21 @@ class VllmGenerator(Actor):
         self.max_len = max(max_model_len, g.max_prompt_tokens + g.max_response_tokens)
         t0 = time.perf_counter()
         self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
+        self.quantized = g.get("quantization", "none") != "none"
+        if self.quantized:
+            import torch
+
+            cc = torch.cuda.get_device_capability(0)
+            if cc < (8, 9):
+                raise ValueError(f"generator.quantization={g.quantization}: {torch.cuda.get_device_name(0)} (compute "
+                                 f"capability {cc[0]}.{cc[1]}) has no FP8 tensor cores (8.9 or newer: L4, L40S, H100, "
+                                 f"H200, B200); set generator.quantization=none")
         self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
                        load_format="dummy", dtype=self.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
                        max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
                        seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps,
-                       max_num_seqs=g.max_num_seqs, kv_cache_dtype=g.kv_cache_dtype)
+                       max_num_seqs=g.max_num_seqs, kv_cache_dtype=g.kv_cache_dtype,
+                       quantization="fp8" if self.quantized else None)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
         self.awake = {"weights", "kv_cache"}
@@ -334,7 +389,11 @@ class VllmGenerator(Actor):
         async with self.lock:
             wake_s = self._wake(["weights"])
             t0 = time.perf_counter()
-            r = self.llm.apply_model(partial(_load, handle=_local(handle), bucket_bytes=self.bucket_bytes))[0]
+            if self.quantized:
+                r = self.llm.collective_rpc(partial(_reload_quantized, handle=_local(handle),
+                                                    bucket_bytes=self.bucket_bytes))[0]
+            else:
+                r = self.llm.apply_model(partial(_load, handle=_local(handle), bucket_bytes=self.bucket_bytes))[0]
             self.llm.reset_prefix_cache()
             dt = time.perf_counter() - t0
             self.version, self.layout, self.handle = handle.version, handle.layout, handle
@@ -374,9 +433,9 @@ class VllmGenerator(Actor):
 
     @endpoint
     async def weights_digest(self) -> str:
-        """sha256 of the loaded weights in the last handle's HF layout (TP=1 only; else ``""``):
-        equals the trainer's :meth:`weights_digest` when the two hold the same bits."""
-        if self.layout is None or self.tp > 1:
+        """sha256 of the loaded weights in the last handle's HF layout (TP=1 and unquantised only; else
+        ``""``): equals the trainer's :meth:`weights_digest` when the two hold the same bits."""
+        if self.layout is None or self.tp > 1 or self.quantized:
             return ""
         async with self.lock:
             self._wake(["weights"])
@@ -386,7 +445,10 @@ class VllmGenerator(Actor):
     async def weights_match(self) -> list:
         """HF tensor names whose shard in some TP rank differs, bit for bit, from the last loaded
         handle's bytes (still in place, e.g. right after a sync): ``[]`` when every rank holds
-        exactly its share of the trainer's weights. Works for any TP degree."""
+        exactly its share of the trainer's weights. Works for any TP degree. With
+        ``generator.quantization=fp8`` the embeddings, norms and LM head are compared bit for bit and
+        each FP8 weight as weight * scale against the published values: relative error (Frobenius)
+        at most 2^-4, e4m3's rounding bound."""
         async with self.lock:
             self._wake(["weights"])
             per_rank = self.llm.apply_model(partial(_mismatches, handle=_local(self.handle), hf=self.hf, tp=self.tp))
