@@ -270,7 +270,7 @@ class Controller:
                             f"their hosts' CPUs differ; set generator.dtype explicitly")
         ckpt = checkpoint.resume_point(self.ckpt_root) if self.cfg.resume else None  # the newest that verifies
         s.dtypes["generator"] = dtypes.pop()  # what the trainer publishes; respawns keep it
-        if s.reference is not None:  # (an SFT run has none) the reference's own dtype, version 0
+        if s.reference is not None and not s.reference_in_trainer:  # (SFT: none; LoRA: the trainer's base model)
             remote = s.reference.slot.host != s.trainer.slot.host
             s.dtypes["reference"] = await call("reference", s.reference.get_dtype, timeout_s=t)
             h0 = await call("trainer", s.trainer.publish, remote, 0, 0, s.dtypes["reference"], timeout_s=t)
@@ -408,6 +408,7 @@ class Controller:
         self.last_sync = {"weight_sync_s": time.perf_counter() - t0, "weight_transfer_s": transfer_s,
                           "weight_sync_exposed_s": exposed,
                           "weight_sync_gb_s": handle.nbytes / max(transfer_s or exposed, 1e-9) / 1e9,
+                          "weight_sync_bytes": handle.nbytes,
                           "weight_sync_mode": loaded[0].get("mode", "")}
 
     # ---- held-out evaluation -----------------------------------------------------------------

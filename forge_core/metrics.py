@@ -25,7 +25,8 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             (:func:`forge_core.losses.compute_loss`) where the loss reports them (else 0, ratios 1).
         batch: the trained batch's ``batch_hash`` (:func:`batch_hash`) and :func:`batch_stats`.
         sync: the previous weight sync's figures: ``weight_sync_s``, ``weight_transfer_s``,
-            ``weight_sync_exposed_s`` (seconds), ``weight_sync_gb_s`` (GB/s); 0 when absent.
+            ``weight_sync_exposed_s`` (seconds), ``weight_sync_gb_s`` (GB/s), ``weight_sync_bytes``
+            (the published weights' bytes, the merged model's with LoRA); 0 when absent.
         state: the controller's state (``Controller.state_dict``); its ``generator_version``,
             ``skipped_batches``, ``checkpoint_failures`` and ``restarts`` (``{role: n}``, logged as
             ``restarts_<role>``) are logged.
@@ -49,7 +50,7 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
             "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": timings["wait_for_rollout_s"],
             **{k: sync.get(k, 0.0) for k in ("weight_sync_s", "weight_transfer_s", "weight_sync_exposed_s",
-                                             "weight_sync_gb_s")},
+                                             "weight_sync_gb_s", "weight_sync_bytes")},
             "generator_version": state["generator_version"], "gen_replicas": mean("gen_replicas"),
             "skipped_batches": state["skipped_batches"], "checkpoint_failures": state["checkpoint_failures"],
             **{f"restarts_{k}": v for k, v in state["restarts"].items()},

@@ -8,7 +8,9 @@ FSDP2 over several GPUs). Next to each service's actor runs a
 :class:`~forge_core.actors.placement.Placement` actor (where the process runs, a free port from the
 OS for ``torch.distributed``), and next to each generator replica a
 :class:`~forge_core.actors.weight_receiver.WeightReceiver` (network weight transfers while it
-generates). Actors get their own config section plus named fields, never the whole config.
+generates). Actors get their own config section plus named fields, never the whole config. With
+LoRA on the trainer (``trainer.lora.rank`` > 0) the reference is no actor of its own: the
+``reference`` service is the trainer's processes (:class:`BaseModelReference`).
 """
 
 from __future__ import annotations
@@ -126,6 +128,20 @@ class Service:
 
 
 @dataclass
+class BaseModelReference(Service):
+    """The ``reference`` service when LoRA is on: the trainer's own processes and actor, whose base
+    model with the adapters off is the initial policy (:meth:`forge_core.actors.trainer.Trainer
+    .reference_logprobs` answers ``logprobs``). It holds no weights of its own, needs no loading, and
+    cannot be respawned apart from the trainer; stopping it is the trainer's business."""
+
+    def __getattr__(self, endpoint: str) -> _Endpoint:
+        return super().__getattr__({"logprobs": "reference_logprobs"}.get(endpoint, endpoint))
+
+    async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
+        """Nothing: these are the trainer's processes, stopped with it."""
+
+
+@dataclass
 class Services:
     """Every service of a run: ``plan`` is the placement they were spawned from."""
 
@@ -144,6 +160,11 @@ class Services:
         """The first generator replica."""
         return self.generators[0]
 
+    @property
+    def reference_in_trainer(self) -> bool:
+        """Whether the trainer serves the reference (LoRA: :class:`BaseModelReference`)."""
+        return isinstance(self.reference, BaseModelReference)
+
     def all(self) -> list[Service]:
         """Every service."""
         return [s for s in (*self.generators, self.reward, self.reference, self.trainer, self.buffer) if s is not None]
@@ -159,8 +180,12 @@ class Services:
         one on the same node and GPUs: the old processes are stopped (killed if they hang).
         Returns the new service, already in place; its weights are the caller's business. It gets the
         dtype its role resolved at the start (``dtypes``): a new ``auto`` probe could pick another one
-        than the weights the trainer publishes. Raises ActorFailed when the new actor's constructor fails."""
+        than the weights the trainer publishes. Raises ActorFailed when the new actor's constructor fails,
+        or for a reference the trainer serves (LoRA: the trainer itself failed)."""
         old = next(s for s in self.all() if s.name == name)
+        if isinstance(old, BaseModelReference):
+            raise ActorFailed("actor 'reference' is the trainer's base model (trainer.lora), and the trainer failed: "
+                              "it cannot be respawned apart; resume the run from its last checkpoint")
         await old.stop(10, kill=True)
         with contextlib.suppress(OSError):  # its CoreShare mark, if it died busy (the others kept half the cores)
             os.unlink(os.path.join(cores_dir(), name))
@@ -236,7 +261,8 @@ def _shared_gb(cfg: DictConfig, plan: Plan) -> float:
     if cfg.device != "cuda":
         return 0.0
     gb = 2.0 if plan.colocated and cfg.generator.sleep_level else 0.0
-    if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus):
+    if plan.reference.host == plan.trainer.host and set(plan.reference.gpus) & set(plan.trainer.gpus) \
+            and not cfg.trainer.lora.rank:  # (with LoRA the reference is the trainer's own base model)
         from forge_core import titan  # torch only: TorchTitan itself is imported by the actors
         from forge_core.models import hf_config_dict
         n = sum(k for *_, k in titan.hf_layout(hf_config_dict(cfg.model.name)))
@@ -282,7 +308,8 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
 async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
     """Spawn every service of ``cfg`` where its layout places it (see the module docstring); an SFT run
     (``loss=sft``) has no reference and no replay buffer (its generator replicas tokenize the targets
-    and serve the held-out evaluation).
+    and serve the held-out evaluation); with LoRA (``trainer.lora.rank`` > 0) the trainer serves the
+    reference (:class:`BaseModelReference`), no reference actor is spawned.
     Colocated with the trainer, the generator starts first, so vLLM sizes its KV cache before the
     others allocate. ``hosts``: a multi-host ``HostMesh`` (node-rank order) or None for this host.
     Raises ActorFailed when an actor's constructor fails; the services already started are stopped."""
@@ -303,11 +330,18 @@ async def spawn_services(cfg: DictConfig, hosts: Any = None) -> Services:
         return got
 
     n, sft = len(plan.generators), cfg.loss.name == "sft"  # SFT: no reference, no replay buffer
+    own_ref = not sft and not cfg.trainer.lora.rank  # LoRA: the trainer's base model is the reference
     jobs = [*(("generator", s, "generator" if n == 1 else f"generator_{i}") for i, s in enumerate(plan.generators)),
             ("trainer", plan.trainer, ""), ("reward", Slot(0), ""),
-            *([] if sft else [("reference", plan.reference, ""), ("replay_buffer", Slot(0), "")])]
+            *([("reference", plan.reference, "")] if own_ref else []),
+            *([] if sft else [("replay_buffer", Slot(0), "")])]
     got = await spawn(jobs[0]) + await spawn(*jobs[1:]) if plan.colocated else await spawn(*jobs)  # the engine first
-    trainer, reward, reference, buf = (got[n:] + [None, None])[:4]
+    rest = got[n:]
+    trainer, reward = rest[:2]
+    reference = rest.pop(2) if own_ref else None
+    buf = rest[2] if len(rest) > 2 else None
+    if not sft and reference is None:
+        reference = BaseModelReference("reference", trainer.slot, trainer.procs, trainer.actor, trainer.where)
     return Services(got[:n], reward=reward, reference=reference, trainer=trainer, buffer=buf, plan=plan, cfg=cfg,
                     hosts=hosts)
 

@@ -129,11 +129,13 @@ def hf_layout(h: dict) -> list[tuple[str, tuple, int]]:
 
 
 def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, parallelize=None,
-                dtype: torch.dtype = torch.float32, packed: bool = False) -> torch.nn.Module:
+                dtype: torch.dtype = torch.float32, packed: bool = False, lora: Any = None) -> torch.nn.Module:
     """The TorchTitan model on ``device``: built on the meta device, document-causal attention for
     packed sequences switched on when ``packed`` (:func:`forge_core.packing.enable_packed_attention`:
-    FlexAttention on CUDA, SDPA with a dense mask on CPU), ``parallelize(model)`` applied there
-    (FSDP / TP / AC / compile, optional), then ``to_empty`` and ``init_weights`` (seeded), in ``dtype``."""
+    FlexAttention on CUDA, SDPA with a dense mask on CPU), LoRA adapters added when ``lora`` (a
+    :class:`forge_core.lora.LoRAConfig` with rank > 0; only they stay trainable), ``parallelize(model)``
+    applied there (FSDP / TP / AC / compile, optional), then ``to_empty`` and ``init_weights``
+    (seeded), in ``dtype``; the adapters then get :func:`forge_core.lora.init_adapters` (``B`` zero)."""
     if spec.family == "llama3":
         from torchtitan.models.llama3.model.model import Transformer as cls
     else:
@@ -151,12 +153,18 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
                 if hasattr(inductor, key):
                     setattr(inductor, key, off)
         enable_packed_attention(model, "flex" if cuda else "sdpa")
+    if lora is not None and lora.rank:
+        from forge_core.lora import apply_lora
+        apply_lora(model, lora)
     if parallelize is not None:
         model = parallelize(model) or model
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
+    if lora is not None and lora.rank:
+        from forge_core.lora import init_adapters
+        init_adapters(model, seed)
     return model
 
 
@@ -164,12 +172,23 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None,
                      dtype: Optional[torch.dtype] = None) -> Iterable[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every parameter, converted by the state-dict adapter (one
     parameter at a time, so at most one full tensor is alive). With FSDP/TP (DTensor parameters)
-    every rank must iterate (each ``full_tensor`` is a collective). ``dtype`` casts before gathering."""
+    every rank must iterate (each ``full_tensor`` is a collective). ``dtype`` casts before gathering.
+    With LoRA (:mod:`forge_core.lora`) an adapted layer's weight is the merged one, gathered in fp32,
+    merged, then cast, and the adapters themselves are not yielded: the model the generators run."""
     from torch.distributed.tensor import DTensor
+
+    from forge_core.lora import is_adapter, lora_modules, merged_weight
     adapter, seen = adapter or state_dict_adapter(spec), set()
+    adapted = {f"{n}.weight": m for n, m in lora_modules(model).items()}  # empty without LoRA
     for name, p in model.named_parameters():
         name = clean_name(name)
-        t = p.detach() if dtype is None else p.detach().to(dtype)
+        if adapted and is_adapter(name):
+            continue
+        if name in adapted:
+            t = merged_weight(adapted[name])
+            t = t if dtype is None else t.to(dtype)
+        else:
+            t = p.detach() if dtype is None else p.detach().to(dtype)
         if isinstance(t, DTensor):
             t = t.full_tensor()
         for k, v in adapter.to_hf({name: t}).items():
@@ -179,14 +198,18 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None,
 
 
 def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> None:
-    """Load HF-named full tensors into ``model`` (plain or FSDP/TP-sharded) through the adapter.
+    """Load HF-named full tensors into ``model`` (plain or FSDP/TP-sharded) through the adapter; LoRA
+    adapters (:mod:`forge_core.lora`) are not among them and keep their values.
 
     Raises:
         ValueError: naming missing or unexpected keys.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from forge_core.lora import is_adapter
     sd = state_dict_adapter(spec).from_hf(dict(hf_sd))
-    params = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)
+              if not is_adapter(clean_name(n))}
     missing = [n for n in params if n not in sd]
     unexpected = [n for n in sd if n not in params]
     if missing or unexpected:
@@ -315,26 +338,31 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     return out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
 
 
-def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool) -> float:
+def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool, trainable: Optional[int] = None) -> float:
     """Estimated peak GB per GPU of a trainer rank: fp32 params, grads and AdamW's two moments (16
-    bytes per parameter, FSDP-sharded over ``world``), one layer's bf16 parameters gathered, and the
-    activations of a ``tokens``-token micro-batch: 34 x dim bytes per token and layer without
-    activation checkpointing (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.1, 16-bit, no
-    score matrix with flash/flex attention), the block inputs (2 x dim bytes) plus one layer's with it."""
+    bytes per parameter, FSDP-sharded over ``world``; with ``trainable`` of them trained (LoRA: the
+    adapters), 4 bytes per frozen parameter and 16 per trained one), one layer's bf16 parameters
+    gathered, and the activations of a ``tokens``-token micro-batch: 34 x dim bytes per token and
+    layer without activation checkpointing (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.1,
+    16-bit, no score matrix with flash/flex attention), the block inputs (2 x dim bytes) plus one
+    layer's with it."""
     h = spec.hf
     n = sum(k for *_, k in hf_layout(h))
     D, L = h["hidden_size"], h["num_hidden_layers"]
     layer = 34 * D * tokens
     act = (2 * D * tokens * L + layer) if ac else layer * L
-    return (16 * n / world + 2 * n / L + act) / 1e9
+    state = 16 * n if trainable is None else 4 * n + 16 * trainable
+    return (state / world + 2 * n / L + act) / 1e9
 
 
-def flops_per_token(spec: TitanSpec, seq_len: int) -> float:
+def flops_per_token(spec: TitanSpec, seq_len: int, frozen: bool = False) -> float:
     """Training FLOPs per token (forward + backward = 6 N plus attention 12 L d_attn T), as in
-    TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once."""
+    TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once. ``frozen``
+    (LoRA): 4 N, the backward computes input gradients but no weight gradients (the adapters' own
+    FLOPs, 6 r (in + out) per layer, are left out)."""
     h, n = spec.hf, sum(numel for *_, numel in hf_layout(spec.hf))
     hd = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
-    return 6 * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
+    return (4 if frozen else 6) * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
 
 
 def peak_tflops(device_name: str) -> float:

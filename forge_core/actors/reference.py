@@ -4,7 +4,9 @@ A TorchTitan model (:mod:`forge_core.titan`) in the receivers' dtype, on CPU or 
 GPUs (``layout.reference.gpus=n``, or sharded over the trainer's GPUs with ``0``) one actor per GPU
 and FSDP2, each rank computing its ``rank::world`` share of a batch. It takes the trainer's
 version-0 weights once (:meth:`Reference.load_initial`), so it equals the policy the run started
-from bit for bit.
+from bit for bit. With LoRA on the trainer (``trainer.lora.rank`` > 0) there is no reference actor:
+the trainer's base model, adapters off, serves the same endpoint
+(:meth:`forge_core.actors.trainer.Trainer.reference_logprobs`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from forge_core import titan
 from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
-from forge_core.actors.trainer import logprobs_of, micro_batches
+from forge_core.actors.trainer import logprob_lists
 from forge_core.episode import Episode
 from forge_core.models import ModelConfig, pretrained_dir
 from forge_core.weight_sync import WeightHandle, digest_of, layout_views, open_ipc
@@ -119,19 +121,11 @@ class Reference(Actor):
         """Reference logprobs of ``episodes``' responses: ``([R_i] floats per episode, or None for
         the episodes another rank computed), seconds)``; merge the ranks' lists by index."""
         t0 = time.perf_counter()
-        out: list = [None] * len(episodes)
-        done = []  # on the device until every micro-batch is queued: one GPU sync, not one each
-        with torch.no_grad(), self.cores:
-            for idx, dummy in micro_batches(episodes, self.rank, self.world, self.micro_batch_size, self.budget):
-                self.cores.refresh()
-                R = max(max(len(episodes[i].response_ids) for i in idx), 1)
-                lp = logprobs_of(self.model, episodes, idx, R, temperature=self.temperature, device=self.device,
-                                 budget=self.budget, chunk=self.chunk, select=self.select)
-                if not dummy:
-                    done.append((idx, lp))
-            for idx, lp in done:
-                for i, row in zip(idx, lp.cpu()):
-                    out[i] = row[:len(episodes[i].response_ids)].tolist()
+        with self.cores:
+            out = logprob_lists(self.model, episodes, rank=self.rank, world=self.world,
+                                micro_batch_size=self.micro_batch_size, budget=self.budget,
+                                temperature=self.temperature, device=self.device, chunk=self.chunk,
+                                select=self.select, refresh=self.cores.refresh)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return out, time.perf_counter() - t0

@@ -391,23 +391,71 @@ class Trainer(Actor):
         return buf.digest() if buf is not None else ""
 
     @endpoint
+    async def reference_logprobs(self, episodes: list[Episode]) -> tuple[list, float]:
+        """The reference's logprobs when LoRA is on (the ``reference`` service of
+        :class:`forge_core.services.BaseModelReference`): this model with its adapters switched off is
+        the base model, the initial policy, bit for bit (:func:`forge_core.lora.adapters_off`); computed
+        as the policy's are (this trainer's compute dtype), without gradients, micro-batches as the
+        reference actor's. Returns ``([R_i] floats per episode, or None for those another rank
+        computed), seconds)``, as :meth:`forge_core.actors.reference.Reference.logprobs`.
+
+        Raises:
+            RuntimeError: LoRA is off (the reference is then an actor of its own).
+        """
+        if not self.lora.rank:
+            raise RuntimeError("reference_logprobs: trainer.lora.rank=0, the reference is an actor of its own")
+        t0 = time.perf_counter()
+        mbs = self.t.micro_batch_size * (2 if self.device.type == "cuda" else 1)  # as the reference actor's
+        with self.cores, lora_mod.adapters_off(self.model), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = logprob_lists(self.model, episodes, rank=self.rank, world=self.world, micro_batch_size=mbs,
+                                budget=self.budget, temperature=self.temperature, device=self.device,
+                                chunk=self.t.logprob_chunk, select=self.select, refresh=self.cores.refresh)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return out, time.perf_counter() - t0
+
+    @endpoint
     async def state_dict(self) -> dict:
-        """The live fp32 weights as ``{hf_name: tensor}`` on the CPU (rank 0; for tests)."""
+        """The live fp32 weights as ``{hf_name: tensor}`` on the CPU (rank 0; for tests); with LoRA the
+        merged ones (what :meth:`publish` sends)."""
         out = {k: v.cpu().clone() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
         return out if self.rank == 0 else {}
 
     @endpoint
     async def save(self, path: str, optimizer: bool = True) -> None:
         """HF safetensors (``model.safetensors`` + ``config.json``, fp32, written by rank 0), the
-        optimizer and RNG state per rank (``optimizer.rank<r>.pt``) and ``trainer.json`` (version)."""
-        sd = {k: v.cpu().contiguous() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
+        optimizer and RNG state per rank (``optimizer.rank<r>.pt``) and ``trainer.json`` (version).
+
+        With LoRA (``trainer.lora.rank`` > 0): a checkpoint (``optimizer``) holds the adapters
+        (``adapter.safetensors``, TorchTitan names) and their optimizer state instead of the weights,
+        with ``trainer.json`` naming the LoRA settings and the base model (what a resume must match; the
+        base weights come from the model's source again); ``final/`` (not ``optimizer``) holds the
+        adapter in PEFT's format in ``adapter/`` (:func:`forge_core.lora.save_peft`) and, with
+        ``trainer.lora.save_merged``, the merged model as above."""
+        lora_on = bool(self.lora.rank)
         os.makedirs(path, exist_ok=True)
+        if not lora_on or (not optimizer and self.lora.save_merged):
+            sd = {k: v.cpu().contiguous() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
+            if self.rank == 0:
+                save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+                with open(os.path.join(path, "config.json"), "w") as f:
+                    json.dump(dict(hf_config_dict(self.model_name), torch_dtype="float32"), f, indent=1)
+            del sd
+        info = {"version": self.version, "world": self.world}
+        if lora_on:  # every rank gathers (collectives), rank 0 writes
+            info.update(lora=lora_mod.meta(self.lora), base=self.model_cfg)
+            if optimizer:
+                adapters = lora_mod.adapter_state(self.model)
+                if self.rank == 0:
+                    save_file(adapters, os.path.join(path, lora_mod.CHECKPOINT_FILE), metadata={"format": "pt"})
+            else:
+                tensors = lora_mod.peft_state_dict(self.model, self.spec)
+                if self.rank == 0:
+                    lora_mod.save_peft(os.path.join(path, lora_mod.PEFT_DIR), tensors, self.lora, self.src)
         if self.rank == 0:
-            save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(dict(hf_config_dict(self.model_name), torch_dtype="float32"), f, indent=1)
             with open(os.path.join(path, "trainer.json"), "w") as f:
-                json.dump({"version": self.version, "world": self.world}, f)
+                json.dump(info, f)
         if optimizer:
             state = {"optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}
             if self.device.type == "cuda":
@@ -421,18 +469,24 @@ class Trainer(Actor):
         Raises:
             FileNotFoundError: naming the missing checkpoint file.
             ValueError: the weights do not match the model (names the keys), or the checkpoint holds
-                the optimizer state of another number of ranks (or of an older version's trainer).
+                the optimizer state of another number of ranks (or of an older version's trainer);
+                a LoRA checkpoint resumed without LoRA or the reverse, other ``trainer.lora`` settings
+                or another base model (each names the keys and values).
         """
-        st = os.path.join(path, "model.safetensors")
-        if not os.path.isfile(st):
-            raise FileNotFoundError(f"checkpoint has no weights: {st}")
+        st, ad = os.path.join(path, "model.safetensors"), os.path.join(path, lora_mod.CHECKPOINT_FILE)
+        self._check_lora_checkpoint(path, os.path.isfile(ad))
+        if not os.path.isfile(ad if self.lora.rank else st):
+            raise FileNotFoundError(f"checkpoint has no weights: {ad if self.lora.rank else st}")
         ranks = sum(n.startswith("optimizer.rank") for n in os.listdir(path))
         if ranks != self.world:
             raise ValueError(f"checkpoint {path} holds the optimizer state of {ranks} trainer rank(s), this trainer "
                              f"has {self.world}: resume with the layout.trainer.gpus it was saved with" if ranks else
                              f"checkpoint {path} has no optimizer.rank<r>.pt (an optimizer.pt is an older version's "
                              f"trainer): it cannot be resumed; start a new run")
-        titan.load_hf_state_dict(self.model, self.spec, load_file(st))
+        if self.lora.rank:
+            lora_mod.load_adapter_state(self.model, load_file(ad))
+        else:
+            titan.load_hf_state_dict(self.model, self.spec, load_file(st))
         opt = torch.load(os.path.join(path, f"optimizer.rank{self.rank}.pt"), weights_only=False)
         self.opt.load_state_dict(opt["optimizer"])
         torch.set_rng_state(opt["rng"])
@@ -441,3 +495,34 @@ class Trainer(Actor):
         with open(os.path.join(path, "trainer.json")) as f:
             self.version = json.load(f)["version"]
         return self.version
+
+    def _check_lora_checkpoint(self, path: str, has_adapters: bool) -> None:
+        """Raise ValueError when checkpoint ``path`` (``has_adapters``: it holds LoRA adapters) cannot
+        resume this trainer: a LoRA checkpoint without LoRA or the reverse, other ``trainer.lora``
+        settings (rank, alpha, dropout, target_modules) or another base model (``model.*``)."""
+        r = self.lora.rank
+        if has_adapters and not r:
+            try:
+                with open(os.path.join(path, "trainer.json")) as f:
+                    saved = json.load(f).get("lora", {})
+            except (OSError, ValueError):
+                saved = {}
+            raise ValueError(f"checkpoint {path} holds LoRA adapters (trainer.lora.rank={saved.get('rank', '?')}, "
+                             f"target_modules={saved.get('target_modules', '?')}) and this run has trainer.lora.rank=0 "
+                             f"(a full fine-tune): resume it with the run's own trainer.lora settings (its "
+                             f"config.yaml), or start a new run (another run_id)")
+        if r and not has_adapters:
+            raise ValueError(f"checkpoint {path} is a full fine-tune's (model.safetensors, no "
+                             f"{lora_mod.CHECKPOINT_FILE}) and this run has trainer.lora.rank={r}: resume it with "
+                             f"trainer.lora.rank=0 (its config.yaml), or start a new run (another run_id)")
+        if not r:
+            return
+        with open(os.path.join(path, "trainer.json")) as f:
+            info = json.load(f)
+        if bad := lora_mod.resume_mismatch(info.get("lora", {}), self.lora):
+            raise ValueError(f"checkpoint {path} was trained with other LoRA settings: {'; '.join(bad)}: resume with "
+                             f"the checkpoint's, or start a new run (another run_id)")
+        base = info.get("base", {})
+        if diff := [f"model.{k}={base.get(k)!r} (this run: {v!r})" for k, v in self.model_cfg.items() if base.get(k) != v]:
+            raise ValueError(f"checkpoint {path} holds LoRA adapters of another base model: {'; '.join(diff)}: the "
+                             f"adapters only make sense on their own base; resume with its model settings")
