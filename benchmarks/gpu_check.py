@@ -62,10 +62,13 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
         info = await call("generator", svc.generator.info)
         check("engine up, version-0 weights in place", r0["version"] == 0,
               f"startup {time.perf_counter() - t0:.0f}s, sync {r0['sync_s']:.4f}s mode={r0['mode']} {info}")
+        fp8 = cfg.generator.quantization != "none"  # FP8 weights: no digest; weights_match checks within rounding
         dt, dg = await call("trainer", svc.trainer.weights_digest), await call("generator", svc.generator.weights_digest)
-        check("bitwise equal weights v0 (sha256, HF layout)", dt == dg and dt != "", dt[:16])
+        if not fp8:
+            check("bitwise equal weights v0 (sha256, HF layout)", dt == dg and dt != "", dt[:16])
         bad = await call("generator", svc.generator.weights_match)
-        check("every TP rank's shard equals the trainer's bytes", not bad, str(bad[:3]))
+        check("every TP rank's shard equals the trainer's bytes" + (" (FP8 weights: within e4m3 rounding, the rest "
+              "bit for bit)" if fp8 else ""), not bad, str(bad[:3]))
         d0 = dt
         losses = []
         for step in range(2):
@@ -81,7 +84,8 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
                 e.ref_logprobs = lp
             if step == 0:
                 diffs = [abs(a - b) for e in eps for a, b in zip(e.behaviour_logprobs, e.ref_logprobs)]
-                check("reference logprobs agree with vLLM's (same bf16 weights)", statistics.fmean(diffs) < 0.05,
+                check("reference logprobs agree with vLLM's (same weights" + (", FP8 in vLLM)" if fp8 else ")"),
+                      statistics.fmean(diffs) < (0.2 if fp8 else 0.05),
                       f"mean |diff| {statistics.fmean(diffs):.4f}, max {max(diffs):.3f}")
             adv, _, _ = compute_advantages(torch.tensor([e.reward for e in eps]).view(4, 4), cfg.advantage)
             synthetic = not any(adv.flatten())  # every reward equal (a random model's): no signal to train on
@@ -95,7 +99,9 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
             h = await call("trainer", svc.trainer.publish)
             r = await call("generator", svc.generator.update_weights, h)
             dt, dg = await call("trainer", svc.trainer.weights_digest), await call("generator", svc.generator.weights_digest)
-            check(f"bitwise equal weights v{step + 1} after in-place update", dt == dg and r["version"] == step + 1,
+            same = not await call("generator", svc.generator.weights_match) if fp8 else dt == dg
+            check(f"{'FP8-rounded' if fp8 else 'bitwise'} equal weights v{step + 1} after in-place update",
+                  same and r["version"] == step + 1,
                   f"sync {r['sync_s']:.4f}s {r['sync_gb_s']:.1f} GB/s mode={r['mode']} wake {r['wake_s']:.2f}s")
             if step == 0:
                 check("weights changed by the step", dt != d0)

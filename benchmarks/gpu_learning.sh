@@ -46,6 +46,22 @@ case ${1:-} in
       python3 -m launch.local run smollm2_135m_gpu1 output_dir=$R run_id=sft_grpo model.path=$R/sft/final $COMMON \
       > $R/sft_grpo.log 2>&1" < /dev/null > /dev/null 2>&1 &
     echo $! > "$R/sft_chain.pid"; echo "started sft -> sft_grpo" ;;
+  rerun)  # rerun the named runs (say, ones whose engine start failed), STAGGER (30) s apart
+    shift
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+      VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+    for name in "$@"; do
+      rm -rf "${R:?}/$name"
+      case $name in
+        bf16_s0) start bf16_s0 $COMMON ;;
+        bf16_s1) start bf16_s1 $COMMON seed=1 data.seed=1 ;;
+        fp8tis_s0) start fp8tis_s0 $COMMON generator.quantization=fp8 loss.rollout_correction=tis ;;
+        fp8tis_s1) start fp8tis_s1 $COMMON generator.quantization=fp8 loss.rollout_correction=tis seed=1 data.seed=1 ;;
+        sft_grpo) start sft_grpo model.path=$R/sft/final $COMMON ;;
+        *) echo "unknown run $name"; exit 2 ;;
+      esac
+      sleep ${STAGGER:-30}
+    done ;;
   watch) ;;
   *) echo "usage: $0 start|watch"; exit 2 ;;
 esac

@@ -233,7 +233,8 @@ def ipc_buckets(layout: list, bucket_elems: int) -> list[tuple[int, int, list]]:
     return [tuple(b) for b in out]
 
 
-def load_into_model(model: torch.nn.Module, handle: WeightHandle, bucket_bytes: int = 1 << 30) -> dict:
+def load_into_model(model: torch.nn.Module, handle: WeightHandle, bucket_bytes: int = 1 << 30,
+                    device: Optional[torch.device] = None) -> dict:
     """Load ``handle``'s weights (HF names) into a vLLM model through its ``load_weights``.
 
     Same GPU: the views of the source buffer go straight to ``load_weights`` (one device copy per
@@ -243,7 +244,7 @@ def load_into_model(model: torch.nn.Module, handle: WeightHandle, bucket_bytes: 
     Runs inside the vLLM worker(s) (``LLM.apply_model``); returns ``{"mode", "buckets"}``.
     """
     remote = open_ipc(handle)
-    dev = next(model.parameters()).device
+    dev = device or next(model.parameters()).device  # a model being reloaded layer by layer sits on meta
     torch.cuda.synchronize(dev)
     if remote.device == dev:
         model.load_weights(layout_views(remote, handle.layout))

@@ -132,10 +132,10 @@ def _local(handle: WeightHandle) -> WeightHandle:
     return dataclasses.replace(handle, rdma=None, group=None)
 
 
-def _load(model, handle, bucket_bytes):  # runs in every vLLM worker (TP > 1: pickled, so module level)
+def _load(model, handle, bucket_bytes, device=None):  # runs in every vLLM worker (TP > 1: pickled: module level)
     from forge_core.weight_sync import load_into_model
 
-    return load_into_model(model, handle, bucket_bytes)
+    return load_into_model(model, handle, bucket_bytes, device)
 
 
 def _reload_quantized(worker, handle, bucket_bytes):  # every vLLM worker of a quantised engine
@@ -145,8 +145,9 @@ def _reload_quantized(worker, handle, bucket_bytes):  # every vLLM worker of a q
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     model = worker.model_runner.get_model()
+    device = next(model.parameters()).device
     initialize_layerwise_reload(model)
-    r = _load(model, handle, bucket_bytes)
+    r = _load(model, handle, bucket_bytes, device)
     finalize_layerwise_reload(model, worker.model_runner.model_config)
     return r
 
