@@ -1,7 +1,8 @@
 """GPU benchmark (``make bench``): one table, every row naming the device it ran on.
 
     python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus N] [--sections gen,scale,layouts,train,ref,sync]
-                                   [--layouts 1x2,2x1] [--out bench.json] [overrides ...]
+                                   [--layouts 1x2,2x1] [--train-gpus N] [--train-ac 0,1] [--train-steps 2]
+                                   [--out bench.json] [overrides ...]
 
 Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
 (``model.init=random``), GSM8K prompts, 16 prompts x G=8, up to 1024 new tokens:
@@ -14,10 +15,13 @@ Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
   prompts (32 x 8 x 1024), groups spread by the controller's Dispatcher; the scaling efficiency;
   and every ``--layouts`` entry ``RxT`` (R replicas of TP=T) on the same prompts (e.g. ``1x2,2x1``).
 - ``train``: our trainer's tokens/s on a batch of generated lengths (16 x 8 episodes, prompt +
-  response tokens through forward and backward; packing, chunked logprobs, compile, AC as
-  configured; with and without activation checkpointing), MFU, peak memory, against the anchor
-  (:mod:`benchmarks.anchor`: a plain compiled TorchTitan step on the same number of tokens, same
-  GPUs): ``anchor_ratio`` = ours / anchor. bf16 packed vs unpacked logprobs agree on the real shape.
+  response tokens through forward and backward; packing, chunked logprobs, compile as configured),
+  against the anchor (:mod:`benchmarks.anchor`: TorchTitan's own compiled step, FlexAttention
+  block-causal and compiled cross-entropy with ``ignore_index``, on the same episodes packed into the
+  same micro-batches of ``trainer.tokens_per_micro_batch`` tokens, same GPUs), once per activation
+  checkpointing setting (``--train-ac``, both sides alike). MFU of each side from one FLOP formula
+  (:func:`benchmarks.anchor.step_flops`): its executed FLOPs and the useful ones; ``anchor_ratio`` =
+  ours / anchor tok/s (three significant digits, truncated). bf16 packed vs unpacked logprobs agree.
 - ``ref``: the reference's forward on the same episodes, on a GPU of its own and sharded over the
   trainer's GPUs (where the reference should live).
 - ``sync``: weight sync in the node (publish: gather + cast + copy; load: in-place ``load_weights``
@@ -228,66 +232,112 @@ def synthetic_episodes(cfg, eps_from_gen: list, n: int = 128, response: int = 0)
     return out
 
 
-def anchor(model: str, tokens: int, gpus: list, seq_len: int, rows: int = 4) -> dict:
-    """:mod:`benchmarks.anchor` in a subprocess on ``gpus`` (torchrun over them when several),
-    micro-batches of ``rows`` rows of ``seq_len`` tokens."""
-    cmd = [sys.executable, "-m", "benchmarks.anchor", "--model", model, "--tokens", str(tokens), "--seq-len", str(seq_len),
-           "--rows", str(rows)]
+def anchor(model: str, episodes_path: str, budget: int, gpus: list, ac: bool, steps: int = 2,
+           timeout: float = 420) -> dict:
+    """:mod:`benchmarks.anchor` in a subprocess on ``gpus`` (torchrun over them when several): TorchTitan's
+    own compiled step (FlexAttention block-causal, compiled cross-entropy) on the episodes saved at
+    ``episodes_path`` (:func:`benchmarks.anchor.save_episodes`), packed as the trainer packs them into
+    ``budget``-token rows, full activation checkpointing when ``ac``. Returns its JSON line.
+
+    Raises:
+        RuntimeError: the anchor failed or printed no JSON (its stderr's end, e.g. out of memory);
+            subprocess.TimeoutExpired after ``timeout`` seconds.
+    """
+    args = ["-m", "benchmarks.anchor", "--model", model, "--episodes", episodes_path, "--tokens-per-micro-batch",
+            str(budget), "--steps", str(steps), *(["--ac"] if ac else [])]
+    cmd = [sys.executable, *args]
     if len(gpus) > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(gpus)}", "-m", "benchmarks.anchor",
-               *cmd[3:]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(gpus)}", *args]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in gpus))
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode or not lines:
-        raise RuntimeError(f"anchor failed ({p.returncode}): {p.stderr[-2000:]}")
+        err = [l for l in p.stderr.splitlines() if "Error" in l or "error" in l]
+        raise RuntimeError(f"anchor failed ({p.returncode}): {(err[-1] if err else p.stderr[-300:])[:300]}")
     return json.loads(lines[-1])
 
 
-async def section_train(cfg, eps_from_gen: list, train_gpus: int, anchor_rows: int = 4,
-                        ac_settings: tuple = (False, True)) -> None:
-    """Trainer (alone, on ``train_gpus`` GPUs, or the layout's) against the anchor on the same GPUs
-    (micro-batches of ``anchor_rows`` rows), once per activation-checkpointing setting."""
+async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: tuple = (False, True),
+                        steps: int = 2) -> None:
+    """Trainer (alone, on ``train_gpus`` GPUs, or the layout's) against the anchor on the same GPUs,
+    once per activation-checkpointing setting (both sides with the same setting).
+
+    The anchor (:mod:`benchmarks.anchor`) gets the trainer's exact episodes (token ids and lengths),
+    packed by the trainer's own packing into rows of ``trainer.tokens_per_micro_batch`` tokens
+    (the same micro-batches, the same loss positions). Both sides' tok/s count the episodes' prompt +
+    response tokens (padding not); both MFUs come from :func:`benchmarks.anchor.plan_flops` (one
+    formula, :func:`benchmarks.anchor.step_flops`): each side's executed FLOPs (ours: the output layer on
+    response positions; the anchor: on every position, as TorchTitan's loss) and the useful FLOPs both
+    must do. ``anchor_ratio`` = ours / anchor tok/s, printed truncated to three significant digits.
+    """
+    import tempfile
+
     import torch
     from omegaconf import OmegaConf
 
+    from benchmarks.anchor import mfu, plan_flops, ratio_text, save_episodes
+    from forge_core import titan
     from forge_core.layout import Plan, Slot, plan_layout
     from forge_core.services import call, spawn_service
 
     eps = synthetic_episodes(cfg, eps_from_gen)
-    tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
-    seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
+    budget = int(cfg.trainer.tokens_per_micro_batch)
     tgpus = list(range(train_gpus)) if train_gpus else plan_layout(cfg).trainer.gpus
-    a = anchor(cfg.model.name, tokens, tgpus, seq, anchor_rows)
     world = len(tgpus)
-    if cfg.trainer.tokens_per_micro_batch:
-        d = packed_vs_padded(cfg, eps[:16])
-        row("bf16 logprobs, packed (flex, document-causal) vs padded (SDPA causal), same weights, 16 episodes",
-            f"mean |diff| {d['mean']:.4f}, max {d['max']:.3f}", "bf16 tolerance (mean < 0.02)",
-            ok=d["mean"] < 0.02, **d)
-    row(f"anchor: plain TorchTitan step, compiled, bf16, {a['tokens']} tokens in rows of {seq} (x{world} GPU)",
-        f"{a['anchor_tok_s']:,.0f} tok/s ({a['anchor_step_s']:.2f} s/step, peak {a['peak_mem_gb']:.0f} GB)", "",
-        **{f"anchor_{k}": v for k, v in a.items() if not k.startswith("anchor")}, anchor_tok_s=a["anchor_tok_s"])
+    if not budget:
+        row("trainer against the anchor", "failed: the anchor packs episodes as the trainer does; set "
+            "trainer.tokens_per_micro_batch > 0 (the recipes' 16384)", ok=False)
+        return
+    spec = titan.titan_model_args(cfg.model.name)
+    fl = plan_flops(spec, eps, budget, world)
+    peak = titan.peak_tflops(torch.cuda.get_device_name(0))
+    d = packed_vs_padded(cfg, eps[:16])
+    row("bf16 logprobs, packed (flex, document-causal) vs padded (SDPA causal), same weights, 16 episodes",
+        f"mean |diff| {d['mean']:.4f}, max {d['max']:.3f}", "bf16 tolerance (mean < 0.02)",
+        ok=d["mean"] < 0.02, **d)
+    work = (f"{len(eps)} episodes, {fl['tokens']:,} tokens ({fl['loss_tokens']:,} in the loss), "
+            f"{fl['micro_batches']} micro-batch(es) of {budget} per GPU x{world}")
+    row(f"FLOPs per step ({work}): 6 N_body tokens + 6 d V logit positions + 12 L H hd sum(doc_len^2)",
+        f"useful {fl['useful'] / 1e12:,.0f} TFLOP; executed: ours {fl['ours'] / 1e12:,.0f}, anchor "
+        f"{fl['anchor'] / 1e12:,.0f} (full logits); padding {fl['padding']:,} tokens", "", flops=fl)
     n = max(torch.cuda.device_count(), max(tgpus) + 1)
-    for ac in ac_settings:
-        c = OmegaConf.merge(cfg, {"trainer": {"activation_checkpointing": ac}, "layout": {"gpus_per_node": n}})
-        plan = Plan([Slot(0, [n])], Slot(0, tgpus), Slot(0, [n]), False, n)  # the trainer alone on its GPUs
-        t = await spawn_service(c, "trainer", plan.trainer, plan)
-        try:
-            ms = [await call("trainer", t.train_step, eps) for _ in range(3)]
-            m = max(ms[1:], key=lambda x: x["tokens_per_s"])
-            ratio = m["tokens_per_s"] / a["anchor_tok_s"]
-            row(f"trainer tok/s ({len(eps)} episodes, {m['seq_tokens']:.0f} tokens; packing "
-                f"{c.trainer.tokens_per_micro_batch or 'off'}, compile {c.trainer.compile}, AC {ac})",
-                f"{m['tokens_per_s']:,.0f}  MFU {m['mfu']:.1%}  {m['train_s']:.2f} s/step  peak {m['peak_mem_gb']:.0f} GB  "
-                f"= {ratio:.0%} of the anchor", ">= 90% of the anchor", anchor_ratio=ratio, trainer_tok_s=m["tokens_per_s"],
-                anchor_tok_s=a["anchor_tok_s"], mfu=m["mfu"], peak_mem_gb=m["peak_mem_gb"], ac=ac,
-                compile_s=await call("trainer", t.compile_time))
-        except Exception as e:  # e.g. out of memory without AC: a row saying so
-            row(f"trainer AC {ac}", f"failed: {str(e)[:300]}")
-        finally:
-            await t.stop(60)
-        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "episodes.json")
+        save_episodes(eps, path)
+        for ac in ac_settings:
+            a = None
+            try:
+                a = anchor(cfg.model.name, path, budget, tgpus, ac, steps)
+                row(f"anchor: TorchTitan step, compiled model and loss, flex block_causal, bf16, the same packed "
+                    f"episodes, AC {ac} (x{world} GPU)",
+                    f"{a['anchor_tok_s']:,.0f} tok/s  MFU {a['anchor_mfu']:.1%} (useful {a['anchor_useful_mfu']:.1%})  "
+                    f"{a['anchor_step_s']:.2f} s/step  peak {a['peak_mem_gb']:.0f} GB", "", ac=ac,
+                    **{f"anchor_{k}": v for k, v in a.items() if not k.startswith("anchor")},
+                    anchor_tok_s=a["anchor_tok_s"], anchor_mfu=a["anchor_mfu"])
+            except Exception as e:  # e.g. out of memory: a row saying so, the trainer still measured
+                row(f"anchor AC {ac}", f"failed: {str(e)[:300]}", ac=ac)
+            c = OmegaConf.merge(cfg, {"trainer": {"activation_checkpointing": ac}, "layout": {"gpus_per_node": n}})
+            plan = Plan([Slot(0, [n])], Slot(0, tgpus), Slot(0, [n]), False, n)  # the trainer alone on its GPUs
+            t = await spawn_service(c, "trainer", plan.trainer, plan)
+            try:
+                ms = [await call("trainer", t.train_step, eps) for _ in range(steps + 1)]
+                m = max(ms[1:], key=lambda x: x["tokens_per_s"])  # the best timed step, as the anchor's
+                ours_mfu, useful_mfu = (mfu(fl[k], m["train_s"], peak, world) for k in ("ours", "useful"))
+                kw = dict(trainer_tok_s=m["tokens_per_s"], mfu=ours_mfu, useful_mfu=useful_mfu, train_s=m["train_s"],
+                          peak_mem_gb=m["peak_mem_gb"], ac=ac, compile_s=await call("trainer", t.compile_time))
+                value = (f"{m['tokens_per_s']:,.0f} tok/s  MFU {ours_mfu:.1%} (useful {useful_mfu:.1%})  "
+                         f"{m['train_s']:.2f} s/step  peak {m['peak_mem_gb']:.0f} GB")
+                if a is not None:
+                    ratio = m["tokens_per_s"] / a["anchor_tok_s"]
+                    value += f"  = {ratio_text(ratio)} of the anchor"
+                    kw.update(anchor_ratio=ratio, anchor_ratio_text=ratio_text(ratio), anchor_tok_s=a["anchor_tok_s"])
+                row(f"trainer tok/s ({len(eps)} episodes, {m['seq_tokens']:.0f} tokens; packing {budget}, "
+                    f"compile {c.trainer.compile}, AC {ac})", value, ">= 0.900 of the anchor", **kw)
+            except Exception as e:  # e.g. out of memory without AC: a row saying so
+                row(f"trainer AC {ac}", f"failed: {str(e)[:300]}")
+            finally:
+                await t.stop(60)
+            torch.cuda.empty_cache()
 
 
 async def section_ref(cfg, eps_from_gen: list, train_gpus: int) -> None:
@@ -397,14 +447,14 @@ async def bench(a) -> None:
 
     recipe, ov = overrides(a.model, a.gpus, a.data, a.overrides)
     cfg = load_config(recipe, ov)
-    prompts = prompts_of(cfg, 16)
     secs = a.sections.split(",")
+    prompts = prompts_of(cfg, 16) if "gen" in secs else []  # the gen section's prompts only
     eps = await section_gen(cfg, prompts) if "gen" in secs else []
     if "scale" in secs or "layouts" in secs:  # layouts: only the --layouts engines, no replica scaling
         layouts = [x for x in a.layouts.split(",") if x]
         await section_scale(cfg, prompts_of(cfg, 16 * a.gpus), a.gpus, layouts, "scale" in secs)
     if "train" in secs:
-        await section_train(cfg, eps, a.train_gpus, a.anchor_rows, tuple(x == "1" for x in a.train_ac.split(",")))
+        await section_train(cfg, eps, a.train_gpus, tuple(x == "1" for x in a.train_ac.split(",")), a.train_steps)
     if "ref" in secs:
         await section_ref(cfg, eps, a.train_gpus)
     if "sync" in secs:
@@ -418,7 +468,8 @@ def main() -> int:
     p.add_argument("--sections", default="gen,train,sync")
     p.add_argument("--layouts", default="")
     p.add_argument("--train-gpus", type=int, default=0, help="train section: the trainer on GPUs 0..N-1 (0: the layout's)")
-    p.add_argument("--anchor-rows", type=int, default=4, help="train section: the anchor's rows per micro-batch")
+    p.add_argument("--train-steps", type=int, default=2,
+                   help="train section: timed steps per side (the best counts), after one untimed (the anchor's compiles)")
     p.add_argument("--train-ac", default="0,1", help="train section: activation checkpointing settings to run (0/1)")
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))
     p.add_argument("--out", default="")
