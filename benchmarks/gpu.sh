@@ -20,6 +20,8 @@
 #            (540) seconds, then copy its metrics, plot and log tail to $OUT and print its last rows
 #   evalbench python -m benchmarks.bench_eval $EVAL_RECIPE $EVAL_ARGS (make eval's vLLM path vs raw vLLM)
 #   hosts    tests/gpu/two_hosts.sh $HOSTS (two emulated hosts, one GPU each; needs 2 GPUs)
+#   lora     python -m benchmarks.bench_lora $LORA_ARGS (LoRA vs the full fine-tune on GPU 0: peak memory, step
+#            time, merged vs full weight sync; Qwen3-8B's shape and its 8-layer cut, random weights)
 #   profile  python -m benchmarks.profile_train $PROFILE_ARGS (trainer step and reference forward under
 #            torch.profiler); PROFILE_SRC=dir runs that tree's forge_core instead (an A/B against a copy)
 # Example: bash benchmarks/gpu.sh setup check bench
@@ -103,12 +105,15 @@ PY
         2>&1 | tee "$OUT/bench_eval.log" | grep "^|\|^make eval\|^{\|rror\|questions" ;;
     hosts)
       OUT=$OUT bash tests/gpu/two_hosts.sh ${HOSTS:-loop sync} ;;
+    lora)
+      timeout ${LORA_TIMEOUT:-580} python3 -m benchmarks.bench_lora ${LORA_ARGS:-} --out "$OUT/bench_lora.json" \
+        2>&1 | tee "$OUT/bench_lora.log" | grep "^|\|Error\|error" ;;
     profile)
       name=${PROFILE_NAME:-profile}
       PYTHONPATH=${PROFILE_SRC:+$PROFILE_SRC:}$PYTHONPATH timeout ${PROFILE_TIMEOUT:-400} python3 -m benchmarks.profile_train \
         ${PROFILE_ARGS:-} > "$OUT/$name.log" 2>&1; echo "profile $name exit $?"
       grep "^train step\|^reference\|^{" "$OUT/$name.log" | cut -c1-1500 ;;
     *)
-      echo "unknown stage $stage: setup check bench run start watch evalbench hosts profile"; exit 2 ;;
+      echo "unknown stage $stage: setup check bench run start watch evalbench hosts lora profile"; exit 2 ;;
   esac
 done

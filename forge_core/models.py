@@ -95,6 +95,9 @@ MODELS: dict[str, ModelSpec] = {
     # AdamW that fits one 141 GB GPU, for benchmarks of the 8B shape on 1-GPU hosts (random init only).
     "llama3_8b_16l": ModelSpec(source="hf", path="meta-llama/Llama-3.1-8B-Instruct", gated=True,
                                arch=dict(_LLAMA3_8B_ARCH, num_hidden_layers=16)),
+    # Qwen3-8B's layer and vocabulary shapes with 8 of its 36 layers (2.8B): its full fine-tune with AdamW
+    # fits one 80 GB GPU, for LoRA against the full fine-tune on one GPU (benchmarks/bench_lora.py; random init only).
+    "qwen3_8b_8l": ModelSpec(source="hf", path="Qwen/Qwen3-8B", arch=dict(_QWEN3_8B_ARCH, num_hidden_layers=8)),
 }
 
 
