@@ -332,7 +332,7 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
                     value += f"  = {ratio_text(ratio)} of the anchor"
                     kw.update(anchor_ratio=ratio, anchor_ratio_text=ratio_text(ratio), anchor_tok_s=a["anchor_tok_s"])
                 row(f"trainer tok/s ({len(eps)} episodes, {m['seq_tokens']:.0f} tokens; packing {budget}, "
-                    f"compile {c.trainer.compile}, AC {ac})", value, ">= 0.900 of the anchor", **kw)
+                    f"compile {c.trainer.compile}, AC {ac})", value, ">= 0.950 of the anchor", **kw)
             except Exception as e:  # e.g. out of memory without AC: a row saying so
                 row(f"trainer AC {ac}", f"failed: {str(e)[:300]}")
             finally:
