@@ -24,7 +24,10 @@ def _synthetic_gsm8k() -> str:
     return d
 
 
-if not os.path.isdir(os.environ.get("GSM8K_DIR", "")):
+if os.path.isdir(os.environ.get("GSM8K_DIR", "")):
+    # absolute: the tests' runs start in other directories (a SkyPilot node's home, SLURM jobs)
+    os.environ["GSM8K_DIR"] = os.path.abspath(os.environ["GSM8K_DIR"])
+else:
     os.environ["GSM8K_DIR"] = _synthetic_gsm8k()
     os.environ["FORGE_SYNTHETIC_GSM8K"] = "1"
 

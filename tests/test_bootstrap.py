@@ -13,22 +13,15 @@ import hashlib
 import json
 import os
 import shlex
-import shutil
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from helpers import PY, ROOT, TESTS, child_env, in_ns, netns_nodes, ns_pids, wait_no_pids
+from launch import bootstrap as bs
 
-from launch import bootstrap as bs  # noqa: E402
-
-NETNS = ROOT / "cluster" / "dev" / "netns.sh"
-PY = sys.executable
 NODE_IPS = ["10.77.0.11", "10.77.0.12"]
 PORT = 26611  # inside the namespaces only
 
@@ -300,44 +293,17 @@ def test_actors_report_the_launchers_node_address():
 
 # --------------------------------------------------------------------------- slow: fixtures
 
-def _need_root_netns():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
-        pytest.skip("needs iproute2 (ip) and util-linux (nsenter, unshare)")
-    try:
-        import monarch.actor  # noqa: F401
-    except ImportError:
-        pytest.skip("torchmonarch is not installed")
-
-
-def _ns_exists(i: int) -> bool:
-    return Path(f"/var/run/netns/fr-node{i}").exists()
-
-
 @pytest.fixture(scope="module")
 def two_hosts():
     """fr-node1 and fr-node2; created here (and removed at the end) unless they already exist."""
-    _need_root_netns()
-    created = not (_ns_exists(1) and _ns_exists(2))
-    if created:
-        subprocess.run([str(NETNS), "up", "2"], check=True, capture_output=True)
-    yield NODE_IPS
-    if created:
-        subprocess.run([str(NETNS), "down"], check=False, capture_output=True)
+    with netns_nodes((1, 2)):
+        yield NODE_IPS
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _in_ns(i: int, cmd: str) -> list[str]:
-    """Run cmd in namespace fr-node<i> with hostname node<i> (like slurmd in cluster/dev)."""
-    return ["nsenter", f"--net=/var/run/netns/fr-node{i}", "unshare", "--uts",
-            "sh", "-c", f"hostname node{i} && exec {cmd}"]
+    """A child's environment: this module and launch/ importable (workers import the actor classes
+    above), one thread per process."""
+    return child_env(ROOT, TESTS, OMP_NUM_THREADS="1")
 
 
 def _run_controller(i: int | None, call: str, timeout: float = 180) -> dict:
@@ -345,24 +311,12 @@ def _run_controller(i: int | None, call: str, timeout: float = 180) -> dict:
             "print('RESULT ' + json.dumps(r))")
     cmd = [PY, "-c", code]
     if i is not None:
-        cmd = _in_ns(i, shlex.join(cmd))
+        cmd = in_ns(i, shlex.join(cmd))
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"controller failed rc={p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def _ns_pids(i: int) -> list[str]:
-    return subprocess.run(["ip", "netns", "pids", f"fr-node{i}"], capture_output=True,
-                          text=True).stdout.split()
-
-
-def _wait_no_pids(i: int, timeout_s: float = 15) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while (pids := _ns_pids(i)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return pids
 
 
 # --------------------------------------------------------------------------- slow: tests
@@ -371,13 +325,13 @@ def _wait_no_pids(i: int, timeout_s: float = 15) -> list[str]:
 @pytest.mark.slow
 def test_attach_two_hosts_actors_and_rdma(two_hosts, tmp_path):
     # Only our processes may live in the namespaces for the "nothing left behind" check.
-    if _ns_pids(1) or _ns_pids(2):
+    if ns_pids(1) or ns_pids(2):
         pytest.skip("fr-node1/fr-node2 already run processes (is the dev SLURM cluster up?)")
     workers = []
     for i, ip in ((1, NODE_IPS[0]), (2, NODE_IPS[1])):
         with open(tmp_path / f"worker{i}.log", "wb") as log:
             workers.append(subprocess.Popen(
-                _in_ns(i, f"{PY} -m launch.bootstrap worker --host {ip} --port {PORT}"),
+                in_ns(i, f"{PY} -m launch.bootstrap worker --host {ip} --port {PORT}"),
                 env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     try:
         numel = 4 * 1024 * 1024  # 16 MiB of float32
@@ -392,7 +346,7 @@ def test_attach_two_hosts_actors_and_rdma(two_hosts, tmp_path):
         # mesh.shutdown() ends the workers and their procs.
         for w in workers:
             assert w.wait(timeout=20) is not None
-        assert _wait_no_pids(1) == [] and _wait_no_pids(2) == []
+        assert wait_no_pids(1) == [] and wait_no_pids(2) == []
     finally:
         for w in workers:
             if w.poll() is None:
@@ -402,7 +356,7 @@ def test_attach_two_hosts_actors_and_rdma(two_hosts, tmp_path):
 
 @pytest.mark.slow
 def test_attach_names_host_that_never_comes_up(two_hosts):
-    if _ns_pids(1) or _ns_pids(2):
+    if ns_pids(1) or ns_pids(2):
         pytest.skip("fr-node1/fr-node2 already run processes (is the dev SLURM cluster up?)")
     timeout_s = 6.0
     # Controller runs as node rank 0 inside fr-node1 with its own background worker; node2
@@ -417,4 +371,4 @@ def test_attach_names_host_that_never_comes_up(two_hosts):
     assert err["hosts"] == [f"{NODE_IPS[1]}:{PORT}"]
     assert timeout_s <= r["elapsed_s"] < timeout_s + 10, r
     assert r["worker_rc"] != "still running", "the reachable worker was not released"
-    assert _wait_no_pids(1) == [] and _wait_no_pids(2) == []
+    assert wait_no_pids(1) == [] and wait_no_pids(2) == []

@@ -5,13 +5,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from forge_core.config import ConfigError, load_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import PY, ROOT, cli
 RECIPES = sorted(os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(ROOT, "recipes", "*", "config.yaml")))
 
 
@@ -147,15 +145,14 @@ def test_unknown_recipe():
 
 
 def _cli(*args, env=None):
-    e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "launch.local", *args], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=120)
+    """``python -m launch.local ARGS`` without the HF hub."""
+    return cli(*args, env={"HF_HUB_OFFLINE": "1", **(env or {})}, timeout=120)
 
 
 def test_a_missing_recipe_is_the_only_required_argument():
     """Overrides are optional: a command without a recipe asks for the recipe alone (every launcher)."""
     for mod, cmd in (("launch.local", "run"), ("launch.slurm", "submit"), ("launch.sky", "launch")):
-        r = subprocess.run([sys.executable, "-m", mod, cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = cli(cmd, module=mod, timeout=120)
         assert r.returncode == 2 and r.stderr.rstrip().endswith("the following arguments are required: recipe"), \
             (mod, r.stderr)
 
@@ -235,7 +232,7 @@ def test_eval_of_a_checkpoint_that_does_not_load_names_it(tmp_path):
 
 def test_gated_model_without_token():
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
-    r = subprocess.run([sys.executable, "-m", "launch.local", "run", "llama3_8b"], cwd=ROOT,
+    r = subprocess.run([PY, "-m", "launch.local", "run", "llama3_8b"], cwd=ROOT,
                        env=dict(env, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "HF_TOKEN" in r.stderr
 

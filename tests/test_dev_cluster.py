@@ -7,7 +7,6 @@ namespaces fr-node1/fr-node2 into SLURM nodes node1/node2 and tears everything d
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, TESTS
+
 DEV = ROOT / "cluster" / "dev"
-sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.slow
 
@@ -87,13 +86,27 @@ def _executor(tmp_path):
     return ex
 
 
+def _results(job, timeout_s: float = 180) -> list:
+    """``job.results()`` within ``timeout_s``: a job that never ends (pending on nodes that went away,
+    say, when something else took the dev cluster down meanwhile) fails the test, cancelled, instead
+    of waiting forever (submitit waits with no deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while not job.done():
+        if time.monotonic() > deadline:
+            state = job.state
+            subprocess.run(["scancel", job.job_id], check=False)
+            pytest.fail(f"SLURM job {job.job_id} not done after {timeout_s:g} s (state {state})")
+        time.sleep(1)
+    return job.results()
+
+
 def test_submitit_two_node_job(dev_cluster, tmp_path, monkeypatch):
     pytest.importorskip("submitit")
     # The job imports this module by name: sbatch exports the environment (PYTHONPATH).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{TESTS}")
     t0 = time.perf_counter()
     job = _executor(tmp_path).submit(_whoami, "hi")
-    res = sorted(job.results(), key=lambda r: r["rank"])
+    res = sorted(_results(job), key=lambda r: r["rank"])
     print(f"\nsubmitit 2-node job: {time.perf_counter() - t0:.1f}s")
     assert [(r["rank"], r["node"], r["hostname"]) for r in res] == [(0, 0, "node1"),
                                                                      (1, 1, "node2")]
@@ -131,12 +144,12 @@ def _monarch_over_slurm() -> dict | None:
 def test_monarch_mesh_over_slurm(dev_cluster, tmp_path, monkeypatch):
     pytest.importorskip("submitit")
     pytest.importorskip("monarch.actor")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{TESTS}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
     job = _executor(tmp_path).submit(_monarch_over_slurm)
     try:
-        res = job.results()
+        res = _results(job)
     except Exception:
         subprocess.run(["scancel", job.job_id], check=False)
         raise

@@ -4,8 +4,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -13,15 +11,11 @@ import pytest
 import torch
 
 from forge_core.config import load_config
+from helpers import TINY, finish, live_rows, rows, run, start_run, steps
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_DIR = os.environ.get("GSM8K_DIR", "")
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
-        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "eval.every=0", "eval.at_start=false"]
+GSM8K_DIR = os.environ["GSM8K_DIR"]  # tests/conftest.py: the real copy, or a synthetic one
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason="GSM8K_DIR must name a local GSM8K copy")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("packing", [[], ["trainer.tokens_per_micro_batch=512"]], ids=["padded", "packed"])
@@ -75,84 +69,76 @@ def test_two_grpo_steps_through_actors(packing):
 
 
 def test_bf16_sync_is_bitwise_cast_of_master_weights():
-    """Generator dtype bf16: the generator holds exactly the trainer's fp32 weights cast to bf16."""
-    from forge_core.services import call, spawn_services
+    """Generator dtype bf16: the generator holds exactly the trainer's fp32 weights cast to bf16 (the
+    two actors alone: a sync needs no other)."""
+    from forge_core.layout import plan_layout
+    from forge_core.services import Service, call, spawn_service
 
     async def go():
         cfg = load_config("smollm2_135m", TINY + ["generator.dtype=bfloat16"])
-        svc = await spawn_services(cfg)
+        plan = plan_layout(cfg)
+        got = await asyncio.gather(spawn_service(cfg, "generator", plan.generators[0], plan),
+                                   spawn_service(cfg, "trainer", plan.trainer, plan), return_exceptions=True)
         try:
-            await call("generator", svc.generator.update_weights, await call("trainer", svc.trainer.publish))
-            t = await call("trainer", svc.trainer.state_dict)
-            g = await call("generator", svc.generator.state_dict)
+            gen, trainer = got
+            for e in got:
+                if isinstance(e, BaseException):
+                    raise e
+            await call("generator", gen.update_weights, await call("trainer", trainer.publish))
+            t = await call("trainer", trainer.state_dict)
+            g = await call("generator", gen.state_dict)
             assert all(v.dtype == torch.bfloat16 for v in g.values())
             for k, v in t.items():
                 assert torch.equal(g[k], v.to(torch.bfloat16)), k
         finally:
-            await svc.stop()
+            await asyncio.gather(*(s.stop() for s in got if isinstance(s, Service)))
 
     asyncio.run(go())
 
 
-def _run(args, run_id, out, timeout=600, **popen):
-    env = dict(os.environ, FORGE_RUN_ID=run_id, WANDB_MODE="disabled")
-    cmd = [sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={out}", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-
-
-def _rows(path):
-    with open(path) as f:
-        return [json.loads(l) for l in f]
-
-
 def test_cli_run_outputs_and_resume(tmp_path):
-    p = _run(["steps=2", "checkpoint.every=1"], "r1", tmp_path)
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    run = tmp_path / "r1"
-    rows = _rows(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
+    rc, out = run(["steps=2", "checkpoint.every=1"], "r1", tmp_path)
+    assert rc == 0, out[-3000:]
+    run_dir = tmp_path / "r1"
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == [1, 2]
     for key in ("reward_mean", "reward_std", "accuracy", "response_len_mean", "loss", "kl_mean", "clip_frac",
                 "grad_norm", "gen_tok_s", "gen_s", "ref_s", "train_s", "weight_sync_s", "policy_version",
                 "staleness_max", "step_s"):
-        assert key in rows[-1], key
-    assert rows[-1]["policy_version"] == 2 and all(r["staleness_max"] <= 1 for r in rows)
-    assert all(r["gen_s"] > 0 and r["ref_s"] > 0 for r in rows), rows  # every row: its rollout's timings
+        assert key in got[-1], key
+    assert got[-1]["policy_version"] == 2 and all(r["staleness_max"] <= 1 for r in got)
+    assert all(r["gen_s"] > 0 and r["ref_s"] > 0 for r in got), got  # every row: its rollout's timings
     # a quiet console on a CPU machine: the dtype and threads are announced, nothing looks like an error
     assert "dtype auto ->" in out and "threads" in out, out[-3000:]
     for noise in ("[RdmaXcel]", "libcuda.so", "terminate called", "Traceback"):
         assert noise not in out, (noise, out[-3000:])
-    assert (run / "reward.png").stat().st_size > 1000
-    assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
+    assert (run_dir / "reward.png").stat().st_size > 1000
+    assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "tokenizer.json").is_file()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoModelForCausalLM.from_pretrained(run / "final")  # a loadable HF checkpoint
-    tok = AutoTokenizer.from_pretrained(run / "final")  # a generator's tokenizer, without its last call's settings
+    AutoModelForCausalLM.from_pretrained(run_dir / "final")  # a loadable HF checkpoint
+    tok = AutoTokenizer.from_pretrained(run_dir / "final")  # a generator's tokenizer, without its last call's settings
     assert tok.eos_token == "<|im_end|>" and tok.backend_tokenizer.truncation is None
     # resume the same run id to 3 steps: continues at step 3, no duplicate lines
-    p = _run(["steps=3", "checkpoint.every=1"], "r1", tmp_path)
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+    rc, out = run(["steps=3", "checkpoint.every=1"], "r1", tmp_path)
+    assert rc == 0, out[-3000:]
+    assert steps(run_dir) == [1, 2, 3]
 
 
 def test_ctrl_c_stops_every_actor_and_keeps_outputs(tmp_path):
-    p = _run(["steps=200", "checkpoint.every=1"], "int", tmp_path, start_new_session=True)
+    p = start_run(["steps=200", "checkpoint.every=1"], "int", tmp_path, start_new_session=True)
     metrics = tmp_path / "int" / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(_rows(metrics)) >= 2):
-        time.sleep(1)
+    while time.time() < deadline and len(live_rows(metrics)) < 2:
+        time.sleep(0.5)
     assert metrics.exists(), "the run never logged a step"
     children = psutil.Process(p.pid).children(recursive=True)
     assert len(children) >= 5  # one process per actor
     os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode != 0 and "interrupted" in out, (p.returncode, out[-3000:])
-    time.sleep(2)
-    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"orphan actor processes: {[c.pid for c in alive]}"
-    rows = [json.loads(l) for l in metrics.read_text().splitlines()]  # every line parses
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    rc, out = finish(p, 120)
+    assert rc != 0 and "interrupted" in out, (rc, out[-3000:])
+    assert not _alive(children), f"orphan actor processes: {_alive(children)}"
+    assert steps(metrics) == list(range(1, len(rows(metrics)) + 1))  # every line parses, no step twice
     # complete checkpoints only (a save cut short by Ctrl-C stays a .tmp dir, which resume ignores)
     ckpts = sorted(c for c in (tmp_path / "int" / "checkpoints").iterdir() if not c.name.endswith(".tmp"))
     assert ckpts and (ckpts[-1] / "controller.json").is_file()
@@ -161,39 +147,46 @@ def test_ctrl_c_stops_every_actor_and_keeps_outputs(tmp_path):
     assert load_file(ckpts[-1] / "model.safetensors")
 
 
+def _alive(procs: list, wait_s: float = 10) -> list[int]:
+    """The pids of ``procs`` still running (zombies count as gone) after up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while (alive := [c.pid for c in procs if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
 def test_dead_actor_is_named_and_outputs_survive(tmp_path):
     # no respawn allowed (fault.max_restarts=0): the run stops at the first death, naming the actor
     # (respawns are tests/test_chaos.py's)
-    p = _run(["steps=200", "checkpoint.every=1", "fault.max_restarts=0"], "dead", tmp_path, start_new_session=True)
-    run = tmp_path / "dead"
+    p = start_run(["steps=200", "checkpoint.every=1", "fault.max_restarts=0"], "dead", tmp_path,
+                  start_new_session=True)
+    run_dir = tmp_path / "dead"
     deadline = time.time() + 300  # until a complete checkpoint exists: the death must not touch it
 
     def complete() -> list:  # checkpoint directories whose save finished
-        ckpts = run / "checkpoints"
+        ckpts = run_dir / "checkpoints"
         return [c for c in ckpts.iterdir() if not c.name.endswith(".tmp")] if ckpts.is_dir() else []
 
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and complete()):
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and complete()):
         time.sleep(0.5)
     children = psutil.Process(p.pid).children(recursive=True)
-    pid = json.loads((run / "actors.json").read_text())["generator"]["pid"]
+    pid = json.loads((run_dir / "actors.json").read_text())["generator"]["pid"]
     os.kill(pid, signal.SIGKILL)
-    out, _ = p.communicate(timeout=180)
-    assert p.returncode not in (0, None)
+    rc, out = finish(p, 180)
+    assert rc not in (0, None)
     assert "error: actor 'generator' failed" in out and "Traceback" not in out, out[-3000:]
-    time.sleep(2)
-    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"orphan actor processes: {[c.pid for c in alive]}"
-    rows = _rows(run / "metrics.jsonl")
-    assert rows and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert not _alive(children), f"orphan actor processes: {_alive(children)}"
+    got = steps(run_dir)
+    assert got and got == list(range(1, len(got) + 1))
     assert complete() and all((c / "controller.json").is_file() for c in complete())
 
 
 @pytest.mark.parametrize("loss", ["gspo", "dapo", "reinforce"])
 def test_loss_is_one_config_key(tmp_path, loss):
     """`make run ARGS="loss=gspo"` trains end to end with that loss."""
-    p = _run([f"loss={loss}", "steps=1"], loss, tmp_path)
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    rows = _rows(tmp_path / loss / "metrics.jsonl")
-    assert len(rows) == 1 and rows[0]["loss"] == rows[0]["loss"]
+    rc, out = run([f"loss={loss}", "steps=1"], loss, tmp_path)
+    assert rc == 0, out[-3000:]
+    got = rows(tmp_path / loss)
+    assert len(got) == 1 and got[0]["loss"] == got[0]["loss"]
     assert f"name: {loss}" in (tmp_path / loss / "config.yaml").read_text()

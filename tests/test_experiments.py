@@ -8,14 +8,10 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=4", "generator.max_response_tokens=12",
-        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "eval.every=0", "eval.at_start=false"]
+from helpers import PY, ROOT, TINY, cli, rows
 REWARD = '''
 def score(response, example):
     """1 for the right sum, a small bonus for short answers."""
@@ -58,17 +54,6 @@ def copy_recipe(tmp_path, name="my_sums", rows=(40, 10)):
     with open(d / "config.yaml", "a") as f:
         f.write(CONFIG)
     return d
-
-
-def cli(*args, timeout=600):
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "launch.local", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(l) for l in f]
 
 
 @pytest.mark.slow
@@ -167,7 +152,7 @@ def test_the_arithmetic_recipes_data_is_what_its_script_writes(tmp_path):
     no held-out fact among the training facts (not even with its operands swapped)."""
     d = os.path.join(ROOT, "recipes", "smollm2_135m_arith")
     shutil.copy(os.path.join(d, "make_data.py"), tmp_path)
-    subprocess.run([sys.executable, str(tmp_path / "make_data.py")], check=True, capture_output=True)
+    subprocess.run([PY, str(tmp_path / "make_data.py")], check=True, capture_output=True)
     for split in ("train", "test"):
         with open(os.path.join(d, "data", f"{split}.jsonl")) as a, open(tmp_path / "data" / f"{split}.jsonl") as b:
             assert a.read() == b.read(), split

@@ -15,7 +15,8 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 THIS = os.path.relpath(os.path.abspath(__file__), ROOT)
 
 WORDS = {

@@ -3,31 +3,24 @@ checkpoint resumes exactly; GRPO starts from its ``final/`` (the trainer and the
 weights bit for bit); and the bad input of that path (a missing target, an unfinished run as
 ``model.path``, SFT without trainer GPUs)."""
 
+import asyncio
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from forge_core.config import ConfigError, load_config
+from helpers import TINY_MODEL, cli, rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.max_response_tokens=24",
-        "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "eval.every=0", "eval.at_start=false"]
-
-
-def cli(*args, timeout=600):
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "launch.local", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+# the SFT recipe's tiny runs: targets cut at 24 tokens (generator.max_response_tokens), its own group size
+TINY = [*TINY_MODEL, "generator.max_response_tokens=24", "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4",
+        "trainer.lr=1e-3"]
 
 
-def rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "batch_hash" in r]
+def trained(run_dir) -> list[dict]:
+    """The training rows of a run (held-out evaluation rows have no ``batch_hash``)."""
+    return [r for r in rows(run_dir) if "batch_hash" in r]
 
 
 @pytest.mark.slow
@@ -40,7 +33,7 @@ def test_an_sft_run_resumes_exactly_and_grpo_starts_from_its_final(tmp_path):
     for args in (["steps=4", "run_id=whole"], ["steps=2", "run_id=cut"], ["steps=4", "run_id=cut"]):
         r = cli("run", *common, *args)
         assert r.returncode == 0, r.stderr[-3000:]
-    whole, cut = rows(out / "whole"), rows(out / "cut")
+    whole, cut = trained(out / "whole"), trained(out / "cut")
     assert [x["step"] for x in cut] == [1, 2, 3, 4]
     assert [x["batch_hash"] for x in cut] == [x["batch_hash"] for x in whole]
     assert [x["loss"] for x in cut] == pytest.approx([x["loss"] for x in whole], rel=1e-5)
@@ -48,23 +41,29 @@ def test_an_sft_run_resumes_exactly_and_grpo_starts_from_its_final(tmp_path):
 
     from safetensors.torch import load_file
 
-    from forge_core.services import call, spawn_services
+    from forge_core.layout import plan_layout
+    from forge_core.services import Service, call, spawn_service
 
     final = str(out / "whole" / "final")
     sft_weights = load_file(os.path.join(final, "model.safetensors"))
 
-    async def go():
+    async def go():  # GRPO's trainer and reference (the actors this needs) from the SFT run's final/
         cfg = load_config("smollm2_135m", [*TINY, f"model.path={final}", "generator.group_size=2"])
-        svc = await spawn_services(cfg)
+        plan = plan_layout(cfg)
+        got = await asyncio.gather(spawn_service(cfg, "trainer", plan.trainer, plan),
+                                   spawn_service(cfg, "reference", plan.reference, plan), return_exceptions=True)
         try:
-            await call("reference", svc.reference.load_initial, await call("trainer", svc.trainer.publish))
-            loaded = await call("reference", svc.reference.digest)  # what the trainer handed it (version 0)
-            return (await call("trainer", svc.trainer.state_dict), loaded,
-                    await call("reference", svc.reference.rebuild_initial))  # final/ read from disk again
+            trainer, reference = got
+            for e in got:
+                if isinstance(e, BaseException):
+                    raise e
+            await call("reference", reference.load_initial, await call("trainer", trainer.publish))
+            loaded = await call("reference", reference.digest)  # what the trainer handed it (version 0)
+            return (await call("trainer", trainer.state_dict), loaded,
+                    await call("reference", reference.rebuild_initial))  # final/ read from disk again
         finally:
-            await svc.stop()
+            await asyncio.gather(*(s.stop() for s in got if isinstance(s, Service)))
 
-    import asyncio
     trainer_w, reference_digest, from_disk_digest = asyncio.run(go())
     assert set(trainer_w) == set(sft_weights)
     for k, v in sft_weights.items():

@@ -35,23 +35,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from helpers import PY, ROOT, TINY_LAUNCHER, netns_nodes, ns_pids, steps, wait_no_pids
 
 sky = pytest.importorskip("sky", reason="skypilot is not installed (pip install -e '.[sky]')")
 
 from launch import sky as ls  # noqa: E402
 from launch import sky_node as sn  # noqa: E402
 
-PY = sys.executable
-NETNS = ROOT / "cluster" / "dev" / "netns.sh"
 NS = (3, 4)  # fr-node3, fr-node4: clear of fr-node1/2, which the SLURM dev cluster and test_bootstrap use
 IPS = [f"10.77.0.{10 + i}" for i in NS]
 TASK_FILES = sorted(glob.glob(str(ROOT / "recipes" / "*" / "sky.yaml")))
 RECIPES = [Path(p).parent.name for p in TASK_FILES]
-TINY = ("model.name=tiny_llama prompts_per_step=2 generator.group_size=2 "
-        "generator.max_response_tokens=8 trainer.micro_batch_size=4 eval.every=0 eval.at_start=false")
-GSM8K = os.environ.get("GSM8K_DIR") or str((ROOT.parent / "shared" / "data" / "gsm8k").resolve())
+TINY = " ".join(TINY_LAUNCHER)  # FORGE_ARGS
+GSM8K = os.environ["GSM8K_DIR"]  # tests/conftest.py: the real copy, or a synthetic one
 CACHE = os.environ.get("FORGE_CACHE") or os.path.expanduser("~/.cache/forge-recipes")
 IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "outputs", "__pycache__", "*.pyc",
                                 ".pytest_cache", ".cache", ".gpu", ".whl", "*.egg-info")
@@ -164,10 +160,6 @@ def client_side(workdir: Path, *argv: str) -> tuple[int, dict, str]:
                        capture_output=True, text=True, env=env, timeout=120)
     envs = next((json.loads(l[5:]) for l in p.stdout.splitlines() if l.startswith("ENVS=")), {})
     return p.returncode, envs, p.stderr
-
-
-def _metrics(run_dir: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
 # --------------------------------------------------------------------------- fast: task files
@@ -510,9 +502,9 @@ def copied_recipe_runs(tmp_path_factory):
     rc, task_envs, err = client_side(home / "sky_workdir", "recipes/my_exp/sky.yaml")
     assert rc == 0 and task_envs["FORGE_RECIPE"] == "recipes/my_exp", err
     out, after_first = {}, {}
-    for i, steps in enumerate((2, 3)):
+    for i, n_steps in enumerate((2, 3)):
         env = node_env(f, home, 0, ["127.0.0.1"], task_id, FORGE_RECIPE=task_envs["FORGE_RECIPE"],
-                       FORGE_ARGS=f"{TINY} steps={steps}", FORGE_CKPT_DIR=str(bucket),
+                       FORGE_ARGS=f"{TINY} steps={n_steps}", FORGE_CKPT_DIR=str(bucket),
                        FORGE_MONARCH_PORT="26731")
         out[i] = run_node(f, env, tmp / f"run{i}.log", timeout=300)
         if i == 0 and out[0][0] == 0:
@@ -544,7 +536,7 @@ def test_same_task_id_resumes_from_the_bucket(copied_recipe_runs):
     run_dir = bucket / "my_exp" / task_id
     assert first["ckpts"], "the first run wrote no checkpoint"
     resumed_at = int(first["ckpts"][-1].split("_")[1])
-    assert _metrics(run_dir) == [1, 2, 3]
+    assert steps(run_dir) == [1, 2, 3]
     # The rows up to the checkpoint are the first run's, byte for byte: the second run resumed
     # from step_<resumed_at> in the bucket instead of starting over.
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -556,37 +548,11 @@ def test_same_task_id_resumes_from_the_bucket(copied_recipe_runs):
 # --------------------------------------------------------------------------- slow: two hosts
 
 
-def _need_root_netns():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces (cluster/dev/netns.sh)")
-    if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
-        pytest.skip("needs iproute2 (ip) and util-linux (nsenter, unshare)")
-
-
-def _ns_pids(i: int) -> list[str]:
-    return subprocess.run(["ip", "netns", "pids", f"fr-node{i}"], capture_output=True,
-                          text=True).stdout.split()
-
-
-def _wait_no_pids(i: int, timeout_s: float = 20) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while (pids := _ns_pids(i)) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    return pids
-
-
 @pytest.fixture(scope="module")
 def sky_hosts():
     """fr-node3 and fr-node4 (10.77.0.13, 10.77.0.14); `netns.sh up 4` keeps existing nodes."""
-    _need_root_netns()
-    created = not all(Path(f"/var/run/netns/fr-node{i}").exists() for i in NS)
-    if created:
-        subprocess.run([str(NETNS), "up", str(max(NS))], check=True, capture_output=True)
-    if any(_ns_pids(i) for i in NS):
-        pytest.skip("fr-node3/fr-node4 already run processes")
-    yield IPS
-    if created and not any(_ns_pids(i) for i in range(1, max(NS) + 1)):
-        subprocess.run([str(NETNS), "down"], check=False, capture_output=True)
+    with netns_nodes(NS):
+        yield IPS
 
 
 class _Watch(threading.Thread):
@@ -598,7 +564,7 @@ class _Watch(threading.Thread):
 
     def run(self):
         while not self.stop.is_set():
-            for pid in _ns_pids(self.ns):
+            for pid in ns_pids(self.ns):
                 try:
                     self.seen[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                 except OSError:
@@ -637,7 +603,7 @@ def test_two_hosts_one_mesh(sky_hosts, tmp_path):
     assert "recipe=recipes/smollm2_135m" in out0 and f"hosts={','.join(sky_hosts)}" in out0
     m = re.search(r"run directory: (\S+)", out0)
     run_dir = Path(m.group(1))
-    assert _metrics(run_dir) == [1, 2] and (run_dir / "final").is_dir()
+    assert steps(run_dir) == [1, 2] and (run_dir / "final").is_dir()
     # The mesh spans both hosts: node 1's worker spawned actor processes (the generator) there.
     actor_procs = [c for c in watch.seen.values() if "launch.sky" not in c and "launch.bootstrap" not in c
                    and "bash" not in c.split(" ")[0] and not c.startswith(("sh ", "nsenter", "unshare"))]
@@ -647,7 +613,7 @@ def test_two_hosts_one_mesh(sky_hosts, tmp_path):
         where = json.loads(placement.read_text())
         assert sky_hosts[1] in where["generator"]["ips"], where
         assert sky_hosts[0] in where["trainer"]["ips"], where
-    assert _wait_no_pids(NS[0]) == [] and _wait_no_pids(NS[1]) == []
+    assert wait_no_pids(NS[0]) == [] and wait_no_pids(NS[1]) == []
 
 
 @pytest.mark.slow
@@ -674,4 +640,4 @@ def test_node_that_never_comes_up(sky_hosts, tmp_path):
     assert rc1 == 3, out1[-3000:]
     assert f"{sky_hosts[0]}:{port1}" in out1 and "did not come up" in out1, out1[-3000:]
     assert elapsed < timeout_s + 60
-    assert _wait_no_pids(NS[0]) == [] and _wait_no_pids(NS[1]) == [], "a process was left behind"
+    assert wait_no_pids(NS[0]) == [] and wait_no_pids(NS[1]) == [], "a process was left behind"

@@ -15,20 +15,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from forge_core.config import ConfigError  # noqa: E402
-from launch import slurm  # noqa: E402
-
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
-        "generator.max_response_tokens=8", "trainer.micro_batch_size=4",
-        "eval.every=0", "eval.at_start=false"]
+from forge_core.config import ConfigError
+from helpers import ROOT, cli
+from helpers import TINY_LAUNCHER as TINY
+from launch import slurm
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.slurm", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return cli(*args, module="launch.slurm", env=env, timeout=120)
 
 
 def _profile(tmp_path: Path, text: str) -> str:

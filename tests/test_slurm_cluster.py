@@ -15,15 +15,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import PY, ROOT, TINY_LAUNCHER, child_env, live_rows
+
 DEV = ROOT / "cluster" / "dev"
-sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +51,7 @@ if os.environ.get("SLURM_NODEID") == "1" and "submitit.core._submit" in sys.orig
     atexit.register(_outlive)
 """
 # The embedded recipe, tiny: 12 steps, a checkpoint every 3, the generator on node 1 (2nd node).
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2",
-        "generator.max_response_tokens=8", "trainer.micro_batch_size=4", "steps=12", "checkpoint.every=3",
-        "checkpoint.keep=10", "layout.generator.host=1", "eval.every=0", "eval.at_start=false"]
+TINY = [*TINY_LAUNCHER, "steps=12", "checkpoint.every=3", "checkpoint.keep=10", "layout.generator.host=1"]
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 FIGURES: dict = {}
 
@@ -90,16 +87,14 @@ def work(tmp_path_factory, dev_cluster):
 
 
 def _env(work: Path, **extra: str) -> dict:
-    env = {**os.environ, **SECRETS, "FORGE_SLURM_LAST_JOB": str(work / "last_job.json"), "WANDB_MODE": "disabled",
-           "GSM8K_DIR": os.environ.get("GSM8K_DIR") or str(ROOT.parent / "shared" / "data" / "gsm8k")}
+    env = child_env(**SECRETS, FORGE_SLURM_LAST_JOB=str(work / "last_job.json"), **extra)
     env.pop("FORGE_RUN_ID", None)
-    env.update(extra)
     return env
 
 
 def _submit(work: Path, name: str, *args: str, **env: str) -> dict:
     """``python -m launch.slurm submit smollm2_135m ...``; returns the job record (+ ``stdout``)."""
-    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--nodes", "2", *args,
+    p = subprocess.run([PY, "-m", "launch.slurm", "submit", "smollm2_135m", "--nodes", "2", *args,
                         f"output_dir={work / name}"], cwd=ROOT, env=_env(work, **env), capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -132,14 +127,6 @@ def _wait_done(rec: dict, timeout_s: float = 300) -> str:
         subprocess.run(["scancel", jid], check=False)
         raise AssertionError(f"job {jid} still {_show(jid).get('JobState')} after {timeout_s} s\n{_logs(rec)}")
     return _show(jid)["JobState"]
-
-
-def _rows(run_dir: str) -> list[dict]:
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
 
 
 def _logs(rec: dict) -> str:
@@ -196,7 +183,7 @@ def _sha(path: Path) -> str:
 def two_node_run(work):
     rec = _submit(work, "plain", *TINY)
     t0 = rec["submitted_at"]
-    _wait(lambda: _rows(rec["run_dir"]), 240, "the first training step")
+    _wait(lambda: live_rows(rec["run_dir"]), 240, "the first training step")
     FIGURES["submit_to_first_step_s"] = time.time() - t0
     rec["procs"] = _job_procs(rec["job_id"])  # the job is running: its processes' environment ...
     state_files = _slurm_state_files()  # ... and SLURM's state of it
@@ -218,7 +205,7 @@ def test_two_nodes_actors_on_both_addresses_steps_and_metrics(two_node_run, work
         assert where[svc]["ips"] == [NODE_IPS[0]] and where[svc]["hostname"] == "node1", svc
     # each node's actors know its launcher's address (the trainer's is where weight transfers connect)
     assert where["generator"]["addr"] == NODE_IPS[1] and where["trainer"]["addr"] == NODE_IPS[0]
-    rows = _rows(str(run))
+    rows = live_rows(str(run))
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["policy_version"] == r["step"] for r in rows)
     assert (run / "reward.png").stat().st_size > 0 and (run / "final" / "model.safetensors").is_file()
@@ -226,7 +213,7 @@ def test_two_nodes_actors_on_both_addresses_steps_and_metrics(two_node_run, work
     assert f"worker tcp://{NODE_IPS[1]}:26600 (node 1/2)" in (folder / f"{rec['job_id']}_1_log.out").read_text()
     assert f"controller on {NODE_IPS[0]}" in (folder / f"{rec['job_id']}_0_log.out").read_text()
     # the dry run prints exactly the script that was submitted
-    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--nodes", "2",
+    p = subprocess.run([PY, "-m", "launch.slurm", "submit", "smollm2_135m", "--nodes", "2",
                         "--dry-run", *TINY, f"output_dir={work / 'plain'}"], cwd=ROOT, env=_env(work),
                        capture_output=True, text=True, timeout=120)
     script = p.stdout[p.stdout.index("#!/bin/bash"):p.stdout.index("# every task")]
@@ -239,11 +226,11 @@ def test_two_nodes_actors_on_both_addresses_steps_and_metrics(two_node_run, work
 def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, work):
     from submitit.slurm.slurm import SlurmJob
 
-    ref = {r["step"]: r for r in _rows(two_node_run["run_dir"])}
+    ref = {r["step"]: r for r in live_rows(two_node_run["run_dir"])}
     rec = _submit(work, "requeue", *TINY)
     jid, run = rec["job_id"], Path(rec["run_dir"])
     metrics = run / "metrics.jsonl"
-    _wait(lambda: len(_rows(str(run))) >= 4, 240, "step 4 before the interrupt")
+    _wait(lambda: len(live_rows(str(run))) >= 4, 240, "step 4 before the interrupt")
     ino = metrics.stat().st_ino
     t_int = time.time()
     # submitit's interrupt helper: SIGTERM + USR2, what a preemption looks like -> checkpoint() + requeue
@@ -264,7 +251,7 @@ def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, wo
 
     def resumed_step():
         try:
-            return metrics.stat().st_ino != ino and any(r["step"] == resumed_from + 1 for r in _rows(str(run)))
+            return metrics.stat().st_ino != ino and any(r["step"] == resumed_from + 1 for r in live_rows(str(run)))
         except FileNotFoundError:
             return False
 
@@ -276,7 +263,7 @@ def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, wo
     assert _wait_done(rec) == "COMPLETED", _logs(rec)
     assert _show(jid)["Restarts"] == "1"
 
-    rows = _rows(str(run))
+    rows = live_rows(str(run))
     # step counter and metrics continue without a gap or a duplicate ...
     assert [r["step"] for r in rows] == list(range(1, 13))
     # ... and every step trained exactly the batch the uninterrupted run trained, to the same loss
@@ -302,7 +289,7 @@ def test_unknown_partition_fails_before_submitting(work):
     prof = work / "nopart.yaml"
     prof.write_text("partition: gpu-h100\n")
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
-    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--cluster", str(prof),
+    p = subprocess.run([PY, "-m", "launch.slurm", "submit", "smollm2_135m", "--cluster", str(prof),
                         *TINY], cwd=ROOT, env=_env(work), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "partition 'gpu-h100'" in p.stderr and "partitions: dev" in p.stderr and str(prof) in p.stderr
@@ -312,7 +299,7 @@ def test_unknown_partition_fails_before_submitting(work):
 def test_unknown_profile_key_fails_before_submitting(work):
     prof = work / "badkey.yaml"
     prof.write_text("partition: dev\nqueue: fast\n")
-    p = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "smollm2_135m", "--cluster", str(prof)],
+    p = subprocess.run([PY, "-m", "launch.slurm", "submit", "smollm2_135m", "--cluster", str(prof)],
                        cwd=ROOT, env=_env(work), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "unknown profile key 'queue'" in p.stderr
 
@@ -349,7 +336,7 @@ def test_dead_worker_fails_within_timeout_naming_host_and_ends_allocation(work):
     assert set(comms) <= {"slurmd"}, comms
     # a failed job leaves its secrets file; make slurm-cancel removes it
     assert (SECRETS_DIR / f"{rec['job_id']}.json").is_file()
-    p = subprocess.run([sys.executable, "-m", "launch.slurm", "cancel", rec["job_id"]], cwd=ROOT, env=_env(work),
+    p = subprocess.run([PY, "-m", "launch.slurm", "cancel", rec["job_id"]], cwd=ROOT, env=_env(work),
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "removed its secrets file" in p.stdout, p.stdout + p.stderr
     assert not (SECRETS_DIR / f"{rec['job_id']}.json").exists()
@@ -369,7 +356,7 @@ def test_a_task_that_outlives_node_0_is_ended_by_srun_wait(work):
     state = _wait_done(rec, 150)
     FIGURES["outliving_task_ended_after_s"] = time.time() - t_outlive
     assert state != "TIMEOUT" and time.time() - t_outlive < 20 + 90, (state, time.time() - t_outlive)
-    assert len(_rows(rec["run_dir"])) == 2 and "Job completed successfully" in _logs(rec), _logs(rec)
+    assert len(live_rows(rec["run_dir"])) == 2 and "Job completed successfully" in _logs(rec), _logs(rec)
     assert rec["job_id"] not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
 
 
