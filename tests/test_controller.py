@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +20,12 @@ from forge_core.data import PromptSource, load_gsm8k
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, read_jsonl
 from forge_core.services import ActorFailed, RunFailed, call
+from helpers import PY, ROOT, TINY_MODEL
+from helpers import TINY as TINY_LOCAL
 
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "generator.group_size=2", "fault.call_timeout_s=1",
-        "fault.timeout_per_token_s=0", "fault.max_restarts=0", "eval.every=0", "eval.at_start=false"]
+# stand-in services: groups of 2, a 1 s deadline per call, no respawn
+TINY = [*TINY_MODEL, "generator.group_size=2", "fault.call_timeout_s=1", "fault.timeout_per_token_s=0",
+        "fault.max_restarts=0"]
 
 
 class _Ep:
@@ -164,13 +168,11 @@ def test_call_tells_a_missed_deadline_from_an_actor_that_raised_timeout_error():
 def test_the_cli_reports_a_run_that_cannot_go_on_without_a_traceback(tmp_path):
     """launch.local prints every RunFailed (not only ActorFailed) as an error line, exit code 1."""
     import subprocess
-    import sys
 
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1}\n')
-    p = subprocess.run([sys.executable, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={tmp_path}",
-                        "run_id=r", "resume=false"], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([PY, "-m", "launch.local", "run", "smollm2_135m", *TINY, f"output_dir={tmp_path}",
+                        "run_id=r", "resume=false"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "error: " in p.stderr and "holds an earlier run" in p.stderr and "written so far are intact" in p.stderr
 
@@ -267,3 +269,65 @@ def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
         read_jsonl(str(p))
     with pytest.raises(ValueError, match="line 2"):
         MetricsLog(str(p), start_step=3)  # a resume refuses a damaged file rather than drop rows from it
+
+
+def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
+    """The rollout loop with timed stand-ins for the actors (S=1, one replica at version 0): batch
+    0's reference forward runs while batch 1 generates, batches reach the buffer in order, and a
+    failure of the finishing step reaches the training loop as ``background_error``."""
+    cfg = load_config("smollm2_135m", TINY_LOCAL + ["max_staleness=1"])
+    G = cfg.generator.group_size
+    spans: dict = {}
+
+    class Timed(Controller):
+        fail_reference = False
+
+        async def _generate(self, problems, k, replicas, rnd=0):
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.4)
+            spans[("gen", k)] = (t0, time.perf_counter())
+            eps = [Episode(prompt_id=str(k), group=j // G, target="", prompt_ids=[1], response_ids=[2, 3],
+                           behaviour_logprobs=[-1.0, -1.0], text="", policy_version=0, reward=float(j % 2))
+                   for j in range(len(problems) * G)]
+            return eps, {"gen_s": 0.4, "gen_tokens": 2 * len(eps), "gen_tok_s": 1.0, "gen_replicas": 1}
+
+        async def _supervised(self, name, endpoint, episodes, **kw):
+            if name == "reward":
+                return episodes, None
+            if self.fail_reference:
+                raise RuntimeError("reference stand-in failed")
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.3)
+            spans[("ref", int(episodes[0].prompt_id))] = (t0, time.perf_counter())
+            return [([[0.0, 0.0]] * len(episodes), 0.3)]
+
+    added: list = []
+
+    async def add(eps):
+        added.append(eps[0].prompt_id)
+        return len(added) * len(eps)
+
+    async def go(c):
+        c.source = SimpleNamespace(next_batch=lambda n: [None] * n)
+        c.svc = SimpleNamespace(buffer=SimpleNamespace(add=SimpleNamespace(call_one=add)))
+        c.versions = [0]
+        task = asyncio.create_task(c.rollout_loop())
+        try:
+            async with c.changed:
+                await asyncio.wait_for(c.changed.wait_for(lambda: c.buffered >= 2 * c.B or c.background_error), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    c = Timed(cfg, str(tmp_path), progress=False)
+    asyncio.run(go(c))
+    (g1a, g1b), (r0a, r0b) = spans[("gen", 1)], spans[("ref", 0)]
+    assert g1a < r0b and r0a < g1b, spans  # the two intervals overlap
+    assert spans[("gen", 1)][0] < spans[("gen", 0)][1] + 0.2  # batch 1 did not wait for batch 0's reference
+    assert added == ["0", "1"] and c.batches_made == 2 and c.rollouts_in_flight == 0  # batch 2 needs version 1
+    assert [round(r["ref_s"], 1) for r in c.rollout_stats] == [0.3, 0.3]
+
+    c = Timed(cfg, str(tmp_path), progress=False)
+    c.fail_reference = True
+    asyncio.run(go(c))
+    assert isinstance(c.background_error, RuntimeError) and "reference stand-in failed" in str(c.background_error)

@@ -1,0 +1,70 @@
+"""Actor calls and services without actor processes: a Ctrl-C that meets an actor's answer, and
+what a respawn of a service keeps (the dtype its role resolved, its share of the cores)."""
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from forge_core.config import load_config
+from helpers import TINY
+
+
+def test_call_never_swallows_a_cancel_that_meets_the_answer():
+    """Ctrl-C cancels the controller's main task. When the actor's answer lands in the same loop
+    iteration as the cancel, ``call`` must still raise CancelledError (Python 3.11's
+    ``asyncio.wait_for`` returned the answer, the run went on, and a Ctrl-C was lost), with a
+    deadline or without one; a missed deadline still names the actor."""
+    from forge_core.services import ActorFailed, call
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for timeout_s in (60.0, None):
+            fut = loop.create_future()
+            task = asyncio.create_task(call("trainer", SimpleNamespace(call_one=lambda: fut), timeout_s=timeout_s))
+            await asyncio.sleep(0)  # the call now waits for the answer
+            fut.set_result("answer")
+            task.cancel()  # in the same iteration
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        never = loop.create_future()
+        with pytest.raises(ActorFailed, match="actor 'trainer' did not answer within 0 s"):
+            await call("trainer", SimpleNamespace(call_one=lambda: never), timeout_s=0.05)
+
+    asyncio.run(main())
+
+
+def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
+    """generator.dtype=auto: a respawned generator replica or reference gets the dtype its role
+    resolved at the start, not a new probe (which could pick another dtype than the weights the
+    trainer publishes); the other roles, and a first spawn, keep the config's setting."""
+    from forge_core import services
+    from forge_core.layout import plan_layout
+    cfg = load_config("smollm2_135m", TINY)
+    plan = plan_layout(cfg)
+    assert cfg.generator.dtype == "auto"
+    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan)["generator"]["dtype"] == "auto"
+    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan, dtype="float32")["generator"]["dtype"] \
+        == "float32"
+    assert services.actor_kwargs(cfg, "reference", plan.reference, plan)["dtype"] == "auto"
+    assert services.actor_kwargs(cfg, "reference", plan.reference, plan, dtype="bfloat16")["dtype"] == "bfloat16"
+    spawned = []
+
+    async def fake_spawn(cfg, role, slot, plan, hosts=None, name="", dtype=None):
+        spawned.append((name, dtype))
+        return services.Service(name, slot, None, None)
+
+    monkeypatch.setattr(services, "spawn_service", fake_spawn)
+    marks = [os.path.join(services.cores_dir(), n) for n in ("generator", "reference")]
+    os.makedirs(services.cores_dir(), exist_ok=True)
+    for m in marks:  # killed while busy: CoreShare's marks stay, and the other actors would keep half the cores
+        open(m, "w").close()
+    old = {n: services.Service(n, plan.reference, None, None) for n in ("generator", "reward", "reference")}
+    svc = services.Services([old["generator"]], old["reward"], old["reference"], None, None, plan, cfg=cfg,
+                            dtypes={"generator": "float32", "reference": "bfloat16"})
+    for name in ("generator", "reward", "reference"):
+        assert asyncio.run(svc.respawn(name)) is not old[name]
+    assert spawned == [("generator", "float32"), ("reward", None), ("reference", "bfloat16")]
+    assert not any(os.path.exists(m) for m in marks)  # a respawn removes its service's mark
+    assert svc.generator.name == "generator" and svc.generator is not old["generator"]
