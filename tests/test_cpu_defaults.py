@@ -29,9 +29,44 @@ def test_explicit_dtype_is_never_overridden():
         resolve_dtype("float16", "cpu", 576, "x")
 
 
-def test_the_probe_measures_both_dtypes():
-    t16, t32 = matmul_probe(64, rows=8, reps=2)
+def test_the_probe_times_bf16_then_fp32_of_the_named_shape(monkeypatch):
+    """``matmul_probe`` returns ``(bf16 s, fp32 s)`` in that order, each the best of ``reps`` timings
+    of one ``[rows, hidden] @ [hidden, hidden]`` matmul: a swapped pair would make ``auto`` take the
+    slower dtype."""
+    from forge_core.actors import process
+
+    seen = []
+
+    def repeat(fn, number, repeat):  # timeit.repeat: runs the timed call once, times by its dtype
+        out = fn()
+        seen.append((out.dtype, tuple(out.shape), number, repeat))
+        unit = 0.001 if out.dtype == torch.bfloat16 else 0.002
+        return [unit * (repeat + 1 - k) for k in range(repeat)]  # the best timing is the last one
+
+    monkeypatch.setattr(process.timeit, "repeat", repeat)
+    assert matmul_probe(64, rows=8, reps=3) == (0.002, 0.004)
+    assert seen == [(torch.bfloat16, (8, 64), 1, 3), (torch.float32, (8, 64), 1, 3)]
+
+
+def test_auto_on_this_cpu_takes_what_its_probe_measured(monkeypatch, capsys):
+    """The real probe on this machine's CPU: ``auto`` takes bf16 exactly when the bf16 matmul was at
+    least as fast as the fp32 one, prints both timings, and probes once per process and hidden size
+    (a second actor role of that size reuses the choice, silently)."""
+    from forge_core.actors import process
+
+    measured = []
+    probe = process.matmul_probe
+    monkeypatch.setattr(process, "matmul_probe", lambda hidden: measured.append(probe(hidden)) or measured[-1])
+    monkeypatch.setattr(process, "_PROBED", {})
+    dt = resolve_dtype("auto", "cpu", 576, "generator")
+    (t16, t32), = measured
     assert t16 > 0 and t32 > 0
+    assert dt == (torch.bfloat16 if t16 <= t32 else torch.float32), (t16, t32, dt)
+    name = str(dt).removeprefix("torch.")
+    assert f"generator: dtype auto -> {name} (a 64x576 @ 576x576 matmul: bf16 {t16 * 1e3:.2f} ms, fp32 " \
+           f"{t32 * 1e3:.2f} ms" in capsys.readouterr().out
+    assert resolve_dtype("auto", "cpu", 576, "reference") == dt and len(measured) == 1
+    assert capsys.readouterr().out == ""
 
 
 def test_auto_is_the_default_and_a_config_choice():
