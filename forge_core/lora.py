@@ -6,8 +6,10 @@ Language Models", arXiv:2106.09685): a frozen linear ``W`` [out, in] plus a trai
 with ``B`` zero at the start, so the adapted model starts as the base model (the paper, sec. 4.1).
 Only ``A`` and ``B`` get gradients and AdamW state; the trainer publishes the merged weight
 ``W + (alpha / r) * B @ A`` (:func:`merged_weight`), so generators (vLLM or transformers) load an
-ordinary checkpoint through the usual weight sync; the reference model is the same module with its
-adapters switched off (:func:`adapters_off`): no second copy of the base weights.
+ordinary checkpoint through the usual weight sync, as many bytes as a full fine-tune's (an
+adapter-only path, vLLM's ``LoRARequest`` with ``r (in + out)`` values a layer, is not built); the
+reference model is the same module with its adapters switched off (:func:`adapters_off`): no second
+copy of the base weights.
 
 Why a hand-written wrapper: TorchTitan 0.2.2 has no LoRA component (its ``components`` are
 checkpoint, dataloader, ft, loss, lr_scheduler, metrics, optimizer, quantization, tokenizer,
@@ -120,6 +122,7 @@ class LoRALinear(nn.Linear):
         return y + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
 
     def extra_repr(self) -> str:
+        """``nn.Linear``'s summary plus the rank and the scale."""
         return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale:g}"
 
 

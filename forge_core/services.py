@@ -135,6 +135,7 @@ class BaseModelReference(Service):
     cannot be respawned apart from the trainer; stopping it is the trainer's business."""
 
     def __getattr__(self, endpoint: str) -> _Endpoint:
+        """The trainer's endpoint: ``logprobs`` is its ``reference_logprobs``, the others keep their names."""
         return super().__getattr__({"logprobs": "reference_logprobs"}.get(endpoint, endpoint))
 
     async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
