@@ -16,7 +16,7 @@ help:
 	@echo "make run   [RECIPE=smollm2_135m] [ARGS='trainer.lr=1e-6 steps=5']   train GRPO (local)"
 	@echo "make eval  [RECIPE=...] [CKPT=runs/<recipe>/<run>/final]            held-out accuracy (vLLM on a GPU)"
 	@echo "make check [RECIPE=...] [ARGS=...]                                  print the resolved config"
-	@echo "make test                                                           the test suite (CI)"
+	@echo "make test [TEST_WORKERS=2]                                          the test suite (CI)"
 	@echo "make test-fast                                                      the test suite less the slow tests"
 	@echo "make chaos                                                          fault injection into CPU runs (a table)"
 	@echo "make bench-losses                                                   loss fwd+bwd vs logprob time"
@@ -67,11 +67,17 @@ eval: venv
 check: venv
 	$(PY) -m launch.local check $(RECIPE) $(ARGS)
 
+# The suite on TEST_WORKERS pytest-xdist workers; the tests that use this machine's one-of-a-kind
+# resources (network namespaces, the SLURM dev cluster, SkyPilot's state) share one worker, in turn
+# (tests/conftest.py). TEST_WORKERS=0: no workers, one process.
+TEST_WORKERS ?= 2
+TEST_XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
+
 test: venv-extras
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs $(TEST_XDIST) --durations=15 tests
 
 test-fast: venv-extras
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q $(TEST_XDIST) -m "not slow" tests
 
 # kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root): about 6 minutes
 chaos: venv-extras

@@ -1,13 +1,18 @@
 """Test data: the real GSM8K copy when ``GSM8K_DIR`` names one (CI: ``../shared/data/gsm8k``);
 otherwise a small synthetic set in GSM8K's own JSONL format, so a clone without the shared data
 still runs every test end to end (the tests use a random tiny model and do not need real questions).
-Also the shared skip conditions of the SLURM dev-cluster tests (``slurm_dev_prereqs``)."""
+Also the shared skip conditions of the SLURM dev-cluster tests (``slurm_dev_prereqs``), and the
+grouping of the tests that use this machine's one-of-a-kind resources for pytest-xdist."""
 
+import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
+import time
+from functools import cache
 
 import pytest
 
@@ -42,3 +47,71 @@ def slurm_dev_prereqs():
         pytest.skip("needs iproute2 (ip)")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         pytest.skip("SLURM is not installed and apt-get is not available to install it")
+
+
+# ---- pytest-xdist: what must not run twice at once -------------------------------------------------
+# `make test` runs the suite on two workers (pytest -n 2 --dist loadgroup). The tests that use what
+# this machine has only once go to one worker, one after another: the network namespaces fr-node*
+# (cluster/dev/netns.sh; the dev cluster's up.sh and `netns.sh down` remove every one of them and
+# kill what runs inside, SLURM's daemons included), the SLURM dev cluster (cluster/dev: slurmctld,
+# /etc/slurm, /etc/hosts), SkyPilot's local state, fixed Monarch ports. A test module is one of
+# them when its source names one of these (a new module that uses them joins by itself).
+#
+# The group is made by the scheduler below (``pytest_xdist_make_scheduler``), from each test's
+# module: xdist's own ``xdist_group`` marks travel to its scheduler as a suffix of the test's node
+# id, which pytest 9.2 no longer lets a plugin change: with pytest 9.2 and pytest-xdist 3.8 the marks
+# are silently ignored and every test is scheduled alone
+# (https://github.com/pytest-dev/pytest-xdist/issues/1386). Such a module also holds a lock file while it
+# runs (``machine_lock``): another pytest run on this machine (another checkout, or workers that do
+# not group: ``--dist load``) waits for it instead of taking those resources away mid-test.
+MACHINE_GROUP = "machine"
+MACHINE_LOCK = os.path.join(tempfile.gettempdir(), "forge-recipes-machine-tests.lock")
+MACHINE_WIDE = re.compile(r"netns|fr-node|cluster/dev|slurm_dev_prereqs|FORGE_MONARCH_PORT"
+                          r"|^\s*(?:import|from) sky\b|importorskip\(\"sky\"", re.MULTILINE)
+
+
+@cache
+def uses_the_machine(path: str) -> bool:
+    """Whether the test module at ``path`` names one of this machine's one-of-a-kind resources."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return bool(MACHINE_WIDE.search(f.read()))
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: xdist's load-scope scheduling with every test its own unit of work but
+    the machine-wide modules' tests, which are one (the largest unit, so it starts first)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = str(config.rootpath)
+
+    class MachineGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist_group suffix (where pytest keeps it)
+                return nodeid.split("@")[-1]
+            return MACHINE_GROUP if uses_the_machine(os.path.join(root, nodeid.split("::")[0])) else nodeid
+
+    return MachineGroupScheduling(config, log)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def machine_lock(request):
+    """A machine-wide module (``uses_the_machine``) holds ``MACHINE_LOCK`` from the set-up of its
+    first test to the teardown of its module fixtures (an autouse fixture is set up first in its scope,
+    torn down last); the other modules pass through."""
+    if not uses_the_machine(str(request.path)):
+        yield
+        return
+    with open(MACHINE_LOCK, "a") as f:
+        t0 = time.monotonic()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if (waited := time.monotonic() - t0) > 1:
+            print(f"\n[tests] {request.module.__name__}: waited {waited:.0f} s for {MACHINE_LOCK} (another test run)")
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
