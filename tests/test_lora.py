@@ -10,22 +10,18 @@ import asyncio
 import json
 import os
 import random
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import helpers
 from forge_core import lora, titan
 from forge_core.config import ConfigError, load_config
 from forge_core.losses import compute_loss, make_loss_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
-TINY = ["model.name=tiny_llama", "prompts_per_step=2", "eval.every=0", "eval.at_start=false", "generator.group_size=4",
-        "generator.max_response_tokens=12", "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4",
-        "trainer.lr=1e-3", "generator.dtype=float32", "trainer.compute_dtype=float32"]
+TINY = [*helpers.TINY, "generator.dtype=float32", "trainer.compute_dtype=float32"]  # fp32: exact comparisons
 SHAPES = [(5, 1), (17, 9), (3, 20), (11, 4), (8, 13)]  # (prompt, response) tokens, ragged
 
 
@@ -467,13 +463,9 @@ def test_generator_after_a_sync_holds_the_trainers_merged_model():
         assert max(abs(a - b) for a, b in zip(o["logprobs"], e.behaviour_logprobs)) < 1e-4
 
 
-def _cli(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "launch.local", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
-
-
 def _rows(run_dir) -> list:
-    return [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "batch_hash" in r]
+    """The training rows of a run's metrics.jsonl (the held-out evaluation's rows left out)."""
+    return [r for r in helpers.rows(run_dir) if "batch_hash" in r]
 
 
 @pytest.mark.slow
@@ -491,7 +483,7 @@ def test_a_lora_run_resumes_exactly_and_refuses_a_full_fine_tune_resume(tmp_path
     common = ["run", "smollm2_135m", *TINY, f"output_dir={out}", "checkpoint.every=2", "trainer.lora.rank=4",
               f"reward.fn={reward}:score", "max_staleness=0"]
     for args in (["steps=4", "run_id=whole"], ["steps=2", "run_id=cut"], ["steps=4", "run_id=cut"]):
-        r = _cli(*common, *args)
+        r = helpers.cli(*common, *args)
         assert r.returncode == 0, r.stderr[-3000:]
     whole, cut = _rows(out / "whole"), _rows(out / "cut")
     assert [x["step"] for x in cut] == [1, 2, 3, 4]
@@ -505,5 +497,5 @@ def test_a_lora_run_resumes_exactly_and_refuses_a_full_fine_tune_resume(tmp_path
     assert actors["reference"]["pid"] == actors["trainer"]["pid"]
     final = out / "whole" / "final"
     assert (final / "model.safetensors").is_file() and (final / "adapter" / "adapter_model.safetensors").is_file()
-    r = _cli(*common, "steps=6", "run_id=cut", "trainer.lora.rank=0")
+    r = helpers.cli(*common, "steps=6", "run_id=cut", "trainer.lora.rank=0")
     assert r.returncode != 0 and "holds LoRA adapters (trainer.lora.rank=4" in r.stderr + r.stdout, r.stderr[-3000:]
