@@ -212,11 +212,38 @@ def packed_attention_mask(model: torch.nn.Module, mb: PackedBatch):
     raise ValueError(f"attention type {kind!r}: call enable_packed_attention(model) before packed forwards")
 
 
+def _lse_and_logprob(z: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """``([C], [C])`` float32 ``logsumexp(z / T)`` and ``z[y] / T - logsumexp`` of one chunk's logits
+    ``z`` ``[C, V]`` (the matmul's dtype): the eager path's math, written to be fused by ``torch.compile``."""
+    zf = z.float() / temperature
+    lse = torch.logsumexp(zf, dim=-1)
+    return lse, zf.gather(1, targets[:, None]).squeeze(1) - lse
+
+
+def _logit_grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
+                temperature: float) -> torch.Tensor:
+    """``[C, V]`` gradient of ``sum(grad * lp)`` w.r.t. one chunk's logits ``z``, in ``z``'s dtype:
+    ``grad / T * (onehot(y) - softmax(z / T))``, written to be fused by ``torch.compile``."""
+    hit = torch.arange(z.shape[1], device=z.device)[None] == targets[:, None]
+    p = torch.exp(z.float() / temperature - lse[:, None])
+    return ((hit.float() - p) * (grad.float() / temperature)[:, None]).to(z.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """``fn`` under ``torch.compile`` (compiled once per process, dynamic in the chunk length)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """See :func:`chunked_logprobs`. Saves hidden, weight, targets and the ``[N]`` logsumexp."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, fused):
         dev = hidden.device.type
         dt = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
               else torch.promote_types(hidden.dtype, weight.dtype))
@@ -226,11 +253,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         with torch.autocast(dev, enabled=False):
             w = weight.to(dt)
             for s in range(0, N, chunk_size):
+                if fused:  # one compiled kernel reads the [C, V] logits once
+                    lse[s:s + chunk_size], out[s:s + chunk_size] = _compiled(_lse_and_logprob)(
+                        hidden[s:s + chunk_size].to(dt) @ w.T, targets[s:s + chunk_size], temperature)
+                    continue
                 z = (hidden[s:s + chunk_size].to(dt) @ w.T).float().div_(temperature)  # [C, V] float32
                 lse[s:s + chunk_size] = torch.logsumexp(z, dim=-1)
                 out[s:s + chunk_size] = z.gather(1, targets[s:s + chunk_size, None]).squeeze(1) - lse[s:s + chunk_size]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.dt, ctx.temperature, ctx.chunk_size = dt, temperature, chunk_size
+        ctx.dt, ctx.temperature, ctx.chunk_size, ctx.fused = dt, temperature, chunk_size, fused
         return out
 
     @staticmethod
@@ -244,19 +275,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gw = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
             for s in range(0, hidden.shape[0], C):
                 h = hidden[s:s + C].to(dt)
-                g = grad[s:s + C].float()[:, None] / t
-                # d lp / d logits = (onehot(target) - softmax(logits / T)) / T, scaled by the upstream grad
-                dz = (h @ w.T).float().div_(t).sub_(lse[s:s + C, None]).exp_().mul_(-g)
-                dz = dz.scatter_add_(1, targets[s:s + C, None], g).to(dt)
+                if ctx.fused:
+                    dz = _compiled(_logit_grad)(h @ w.T, lse[s:s + C], targets[s:s + C], grad[s:s + C], t)
+                else:
+                    g = grad[s:s + C].float()[:, None] / t
+                    # d lp / d logits = (onehot(target) - softmax(logits / T)) / T, scaled by the upstream grad
+                    dz = (h @ w.T).float().div_(t).sub_(lse[s:s + C, None]).exp_().mul_(-g)
+                    dz = dz.scatter_add_(1, targets[s:s + C, None], g).to(dt)
                 if need_h:
                     gh[s:s + C] = dz @ w
                 if need_w:
                     gw.addmm_(dz.T, h)  # fp32 accumulate inside each GEMM, one rounding to dt per chunk
-        return gh, gw.to(weight.dtype) if need_w else None, None, None, None
+        return gh, gw.to(weight.dtype) if need_w else None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+                     temperature: float = 1.0, chunk_size: int = 1024, fused: Optional[bool] = None) -> torch.Tensor:
     """``[N]`` float32 logprob of each target under ``softmax(hidden @ weight.T / temperature)``,
     holding at most one ``[chunk_size, V]`` block of logits at a time, in forward and backward:
     ``lp_n = z_n[y_n] - logsumexp(z_n)``, ``z_n = hidden_n @ weight.T / temperature`` in float32
@@ -269,6 +303,12 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     ``[N]`` int64 in ``[0, V)``; ``temperature`` as the generator's; peak extra memory about
     ``3 * chunk_size * V * 4`` bytes. Differentiable w.r.t. ``hidden`` and ``weight``.
 
+    ``fused`` (default: on CUDA tensors): the element-wise work on each chunk's logits (upcast,
+    temperature, logsumexp and target in the forward; softmax, one-hot and the upstream gradient in the
+    backward) runs as one ``torch.compile``-generated kernel each, which reads the ``[C, V]`` logits
+    once instead of once per eager op; the math is the same, the float32 rounding of the reductions may
+    differ in the last bits. Off: the eager in-place ops (CPU's default, bit for bit as before).
+
     Raises:
         ValueError: bad shapes, ``temperature <= 0`` or ``chunk_size < 1``.
     """
@@ -278,7 +318,8 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                          f"targets {tuple(targets.shape)}: expected [N, D], [V, D], [N]")
     if not temperature > 0 or chunk_size < 1:
         raise ValueError(f"chunked_logprobs: temperature={temperature} must be > 0, chunk_size={chunk_size} >= 1")
-    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+    fused = hidden.is_cuda if fused is None else bool(fused)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size), fused)
 
 
 def packed_response_logprobs(model: torch.nn.Module, mb: PackedBatch, R: int, temperature: float = 1.0,
