@@ -24,6 +24,9 @@ and ``trainer.lora.rank=0`` for the full fine-tune; every trainer runs alone on 
   buffer; caller-timed) and the engine's load (``update_weights``' own ``sync_s``), seconds and bytes
   moved; the adapters' own bytes in the same dtype beside (what an adapter-only path would move; not
   built: vLLM's ``LoRARequest`` could serve them).
+- ``vllm`` and ``vllm_lora`` (one per process: each holds an engine): what an adapter-only sync would
+  cost instead: raw vLLM generation tok/s without LoRA (the engine the merged sync feeds) and with a
+  LoRA adapter (``enable_lora``), and the seconds to write and load a new adapter per policy version.
 
 A row whose value starts with "failed" makes the exit code 1.
 """
@@ -152,14 +155,102 @@ async def sync_rows(a, model: str) -> None:
                     await s.stop(60)
 
 
+def random_peft_adapter(model: str, cfg, path: str, seed: int) -> int:
+    """Write a PEFT adapter of ``cfg.trainer.lora`` for ``model``'s HF layout to ``path`` (A as LoRA's
+    initialisation, B non-zero so that the adapter changes the outputs), bf16; returns its bytes."""
+    import torch
+
+    from forge_core import lora
+    from forge_core.models import hf_config_dict
+    from forge_core.titan import hf_layout
+
+    g = torch.Generator().manual_seed(seed)
+    r, tensors = cfg.trainer.lora.rank, {}
+    for name, shape, _ in hf_layout(hf_config_dict(model)):
+        m = name.rsplit(".", 2)
+        if len(m) == 3 and m[1] in cfg.trainer.lora.target_modules and m[2] == "weight":
+            key = f"base_model.model.{name[:-len('.weight')]}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, shape[1], generator=g) * shape[1] ** -0.5).bfloat16()
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(shape[0], r, generator=g) * 1e-3).bfloat16()
+    lora.save_peft(path, tensors, cfg.trainer.lora, None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def vllm_rows(a, model: str, adapters: bool) -> None:
+    """The ``vllm`` / ``vllm_lora`` sections: raw ``LLM.generate`` tok/s of one engine on ``model``'s shape
+    (dummy weights, ``--prompts`` x 8 samples x 1,024 new tokens, ``ignore_eos``), without LoRA (what the
+    merged sync serves) or, with ``adapters``, an engine with ``enable_lora`` serving a new rank-``--rank``
+    adapter per policy version: the seconds to write the adapter (PEFT safetensors) and to load it
+    (``add_lora``), and the tok/s with it. Run the two as separate processes (one engine per process)."""
+    import tempfile
+
+    from vllm import LLM, SamplingParams
+
+    from forge_core.actors.vllm_generator import vllm_model_dir
+
+    cfg = config(a, model, a.rank)
+    kw = dict(enable_lora=True, max_lora_rank=a.rank, max_loras=1) if adapters else {}
+    llm = LLM(model=vllm_model_dir(model, 2048), skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+              gpu_memory_utilization=0.85, max_model_len=2048, seed=0, **kw)
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [{"prompt_token_ids": torch.randint(100, vocab - 100, (256,), generator=g).tolist()}
+               for _ in range(a.prompts)]
+    sp = SamplingParams(n=8, temperature=1.0, max_tokens=1024, ignore_eos=True)
+    what = f"{model} raw vLLM generation ({a.prompts}x8x1024)"
+    if not adapters:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=16), use_tqdm=False)
+        runs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            runs.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+        row(f"{what}, no LoRA (merged weights)", f"{max(runs):,.0f} tok/s", section="vllm", model=model,
+            tok_s=max(runs), runs=runs)
+        return
+    from vllm.lora.request import LoRARequest
+
+    runs, loads, writes = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for version in (1, 2, 3):  # a new adapter id per policy version, as a sync would load it
+            path = os.path.join(tmp, f"v{version}")
+            t0 = time.perf_counter()
+            nbytes = random_peft_adapter(model, cfg, path, version)
+            writes.append(time.perf_counter() - t0)
+            req = LoRARequest(f"policy-v{version}", version, path)
+            t0 = time.perf_counter()
+            llm.llm_engine.add_lora(req)
+            loads.append(time.perf_counter() - t0)
+            if version == 1:
+                llm.generate(prompts[:2], SamplingParams(max_tokens=16), lora_request=req, use_tqdm=False)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, lora_request=req, use_tqdm=False)
+            runs.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+            if version > 1:
+                llm.llm_engine.remove_lora(version - 1)
+    row(f"{what}, LoRA rank {a.rank} adapter (enable_lora)",
+        f"{max(runs):,.0f} tok/s; adapter write {min(writes):.3f} s + add_lora {min(loads):.3f} s, "
+        f"{nbytes / 1e6:.1f} MB", section="vllm_lora", model=model, tok_s=max(runs), runs=runs,
+        load_s=loads, write_s=writes, adapter_bytes=nbytes)
+
+
 async def bench(a) -> None:
-    """The ``--sections`` asked for: ``train`` for ``--model`` and ``--small``, ``sync`` for ``--model``."""
+    """The ``--sections`` asked for: ``train`` for ``--model`` and ``--small``, ``sync``, ``vllm`` and
+    ``vllm_lora`` for ``--model``."""
     secs = a.sections.split(",")
     for model in [m for m in (a.model, a.small) if m]:
         if "train" in secs:
             await train_rows(a, model)
     if "sync" in secs:
         await sync_rows(a, a.model)
+    for sec in ("vllm", "vllm_lora"):
+        if sec in secs:
+            try:
+                vllm_rows(a, a.model, sec == "vllm_lora")
+            except Exception as e:
+                row(f"{a.model} {sec}", f"failed: {type(e).__name__}: {str(e)[:300]}", section=sec, model=a.model)
 
 
 def main() -> int:
@@ -171,6 +262,7 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--sections", default="train,sync")
     p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=16, help="vllm sections: prompts (x 8 samples x 1,024 tokens)")
     p.add_argument("--ac", type=int, default=1, help="activation checkpointing for every trainer row (GPU)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))

@@ -6,7 +6,9 @@
 # TCP sockets. Trainer + reference on node 0, the vLLM generator on node 1.
 #
 #   tests/gpu/two_hosts.sh loop     qwen3_1_7b shape, 7 steps, weight_sync.transport=auto (-> nccl); KILL_AT=n
-#                                   kills the generator (on node 1) 3 s after step n: the run must recover
+#                                   kills the generator (on node 1) 3 s after step n: the run must recover;
+#                                   LOOP_ARGS adds overrides (say generator.quantization=fp8 loss.rollout_correction=tis),
+#                                   LOOP_NAME names the run (default hosts_nccl)
 #   tests/gpu/two_hosts.sh looprdma the same with weight_sync.transport=rdma
 #   tests/gpu/two_hosts.sh loop8b   the Llama-3.1-8B shape with 16 of its layers (llama3_8b_16l), 5 steps, auto
 #   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
@@ -60,7 +62,8 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     loop)
-      loop hosts_nccl qwen3_1_7b steps=7 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.timeout_s=90 ;;
+      loop "${LOOP_NAME:-hosts_nccl}" qwen3_1_7b steps=7 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.timeout_s=90 \
+        ${LOOP_ARGS:-} ;;
     looprdma)
       loop hosts_rdma qwen3_1_7b steps=5 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.transport=rdma ;;
     loop8b)
