@@ -1,7 +1,7 @@
 """LoRA vs the full fine-tune on one GPU: the trainer's peak memory and step time, and the weight sync
 (merged adapters vs full weights), as a table and JSON.
 
-    python -m benchmarks.bench_lora [--model qwen3_8b] [--small qwen3_8b_8l] [--rank 16] [--sections train,sync]
+    python -m benchmarks.bench_lora [--model qwen3_8b] [--small qwen3_8b_8l] [--rank 16] [--sections train,sync | vllm | vllm_lora]
                                     [--episodes 64] [--ac 1] [--out bench_lora.json] [overrides ...]
     python -m benchmarks.bench_lora --device cpu --model tiny_llama --small ""   # a smoke test on a CPU
 
@@ -22,8 +22,7 @@ and ``trainer.lora.rank=0`` for the full fine-tune; every trainer runs alone on 
 - ``sync``: a generator (vLLM on GPU 0, colocated as recipe qwen3_8b_lora) and a trainer; three
   syncs: ``publish`` (gather, merge ``W + scale * B @ A`` with LoRA, cast to bf16 into the staging
   buffer; caller-timed) and the engine's load (``update_weights``' own ``sync_s``), seconds and bytes
-  moved; the adapters' own bytes in the same dtype beside (what an adapter-only path would move; not
-  built: vLLM's ``LoRARequest`` could serve them).
+  moved; the adapters' own bytes in the same dtype beside (what an adapter-only path moves).
 - ``vllm`` and ``vllm_lora`` (one per process: each holds an engine): what an adapter-only sync would
   cost instead: raw vLLM generation tok/s without LoRA (the engine the merged sync feeds) and with a
   LoRA adapter (``enable_lora``), and the seconds to write and load a new adapter per policy version.
