@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from decimal import ROUND_DOWN, Decimal
 from typing import Any
 
+from forge_core.titan import step_flops  # the one FLOP formula, shared with the trainer's mfu
+
 IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX (PyTorch's default)
 BOUNDARY_ID = 1  # the eos_id of the boundary row (see the module docstring)
 
@@ -158,33 +160,10 @@ def flex_spec(spec):
                      spec.hf)
 
 
-def step_flops(spec, doc_lengths: list[int], logit_positions: int) -> float:
-    """Training FLOPs (forward + backward, matmuls, multiply-add = 2) of one pass over documents
-    of ``doc_lengths`` tokens with the output layer on ``logit_positions`` positions:
-
-        6 * N_body * sum(n) + 6 * d * V * logit_positions + 12 * L * H * hd * sum(n^2)
-
-    ``N_body``: every parameter but the embedding table and the output head (the layers and the final
-    norm); ``d``, ``V``: hidden size and vocabulary (the output head, tied or not); the attention term
-    is TorchTitan's (``get_dense_model_nparams_and_flops``: QK^T and AV, 3x forward for the backward,
-    the whole ``n x n`` square, causal sparsity not discounted, recomputation not counted) per
-    document. With ``logit_positions = sum(n)`` and a single document of length ``n`` this is
-    ``n * forge_core.titan.flops_per_token(spec, n)`` for a tied-embedding model.
-    Units: FLOPs (float). ``spec``: a :class:`forge_core.titan.TitanSpec`."""
-    from forge_core.titan import hf_layout
-
-    h = spec.hf
-    D, V, L, H = h["hidden_size"], h["vocab_size"], h["num_hidden_layers"], h["num_attention_heads"]
-    hd = h.get("head_dim") or D // H
-    body = sum(k for name, _, k in hf_layout(h) if name not in ("model.embed_tokens.weight", "lm_head.weight"))
-    return 6.0 * body * sum(doc_lengths) + 6.0 * D * V * logit_positions + 12.0 * L * H * hd * sum(
-        n * n for n in doc_lengths)
-
-
 def plan_flops(spec, episodes: list, budget: int, world: int = 1) -> dict:
     """FLOPs of one optimizer step over ``episodes`` packed into ``budget``-token rows on ``world``
     ranks (:func:`anchor_rows`: the trainer's micro-batches, dummies included), every figure from
-    :func:`step_flops`, summed over ranks:
+    :func:`forge_core.titan.step_flops`, summed over ranks:
 
     - ``useful``: the episodes' tokens and their response positions (what both sides must compute);
     - ``ours``: what our trainer executes: every row token (padding as 1-token documents, dummy

@@ -20,7 +20,7 @@ Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
   block-causal and compiled cross-entropy with ``ignore_index``, on the same episodes packed into the
   same micro-batches of ``trainer.tokens_per_micro_batch`` tokens, same GPUs), once per activation
   checkpointing setting (``--train-ac``, both sides alike). MFU of each side from one FLOP formula
-  (:func:`benchmarks.anchor.step_flops`): its executed FLOPs and the useful ones; ``anchor_ratio`` =
+  (:func:`forge_core.titan.step_flops`): its executed FLOPs and the useful ones; ``anchor_ratio`` =
   ours / anchor tok/s (three significant digits, truncated). bf16 packed vs unpacked logprobs agree.
 - ``ref``: the reference's forward on the same episodes, on a GPU of its own and sharded over the
   trainer's GPUs (where the reference should live).
@@ -266,7 +266,7 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
     packed by the trainer's own packing into rows of ``trainer.tokens_per_micro_batch`` tokens
     (the same micro-batches, the same loss positions). Both sides' tok/s count the episodes' prompt +
     response tokens (padding not); both MFUs come from :func:`benchmarks.anchor.plan_flops` (one
-    formula, :func:`benchmarks.anchor.step_flops`): each side's executed FLOPs (ours: the output layer on
+    formula, :func:`forge_core.titan.step_flops`): each side's executed FLOPs (ours: the output layer on
     response positions; the anchor: on every position, as TorchTitan's loss) and the useful FLOPs both
     must do. ``anchor_ratio`` = ours / anchor tok/s, printed truncated to three significant digits.
     """

@@ -355,14 +355,25 @@ def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool, trainabl
     return (state / world + 2 * n / L + act) / 1e9
 
 
-def flops_per_token(spec: TitanSpec, seq_len: int, frozen: bool = False) -> float:
-    """Training FLOPs per token (forward + backward = 6 N plus attention 12 L d_attn T), as in
-    TorchTitan's ``get_dense_model_nparams_and_flops``; N counts the embedding table once. ``frozen``
-    (LoRA): 4 N, the backward computes input gradients but no weight gradients (the adapters' own
-    FLOPs, 6 r (in + out) per layer, are left out)."""
-    h, n = spec.hf, sum(numel for *_, numel in hf_layout(spec.hf))
-    hd = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
-    return (4 if frozen else 6) * n + 12 * h["num_hidden_layers"] * h["num_attention_heads"] * hd * seq_len
+def step_flops(spec: TitanSpec, doc_lengths: list[int], logit_positions: int, frozen: bool = False) -> float:
+    """Training FLOPs (forward + backward, matmuls, multiply-add = 2) of one pass over documents
+    of ``doc_lengths`` tokens with the output layer on ``logit_positions`` positions:
+
+        c * N_body * sum(n) + c * d * V * logit_positions + 12 * L * H * hd * sum(n^2)
+
+    ``c`` = 6 (forward 2, backward 4), or 4 when ``frozen`` (LoRA: the backward computes input
+    gradients but no weight gradients; the adapters' own FLOPs are left out). ``N_body``: every
+    parameter but the embedding table and the output head (the layers and the final norm); ``d``,
+    ``V``: hidden size and vocabulary (the output head, tied or not); the attention term is
+    TorchTitan's (``get_dense_model_nparams_and_flops``: QK^T and AV, 3x forward for the backward, the
+    whole ``n x n`` square, causal sparsity not discounted, recomputation not counted) per document.
+    Used by the trainer's ``mfu`` and by the benchmarks' anchor (:mod:`benchmarks.anchor`). Units: FLOPs."""
+    h = spec.hf
+    D, V, L, H = h["hidden_size"], h["vocab_size"], h["num_hidden_layers"], h["num_attention_heads"]
+    hd = h.get("head_dim") or D // H
+    body = sum(k for name, _, k in hf_layout(h) if name not in ("model.embed_tokens.weight", "lm_head.weight"))
+    c = 4.0 if frozen else 6.0
+    return c * body * sum(doc_lengths) + c * D * V * logit_positions + 12.0 * L * H * hd * sum(n * n for n in doc_lengths)
 
 
 def peak_tflops(device_name: str) -> float:

@@ -116,10 +116,15 @@ def test_a_packed_row_gives_each_document_its_logits_alone(monkeypatch):
 
 def test_both_sides_flops_come_from_one_formula():
     spec = titan.titan_model_args("tiny_llama")  # tied embeddings
-    for n in (1, 17, 300):
-        assert anchor.step_flops(spec, [n], n) == pytest.approx(n * titan.flops_per_token(spec, n), rel=1e-12)
     h = spec.hf
     D, V = h["hidden_size"], h["vocab_size"]
+    L, H = h["num_hidden_layers"], h["num_attention_heads"]
+    n_all = sum(k for *_, k in titan.hf_layout(h))  # tied: the embedding once, it is also the head
+    for n in (1, 17, 300):  # one document, logits everywhere: TorchTitan's 6 N + 12 L H hd T per token
+        per_token = 6 * (n_all - V * D) + 6 * D * V + 12 * L * H * (D // H) * n
+        assert titan.step_flops(spec, [n], n) == pytest.approx(n * per_token, rel=1e-12)
+        assert titan.step_flops(spec, [n], n, frozen=True) == pytest.approx(
+            n * (4 * (n_all - V * D) + 4 * D * V + 12 * L * H * (D // H) * n), rel=1e-12)
     eps, budget = episodes(23), 40
     for world in (1, 2):
         fl = anchor.plan_flops(spec, eps, budget, world)
@@ -133,7 +138,7 @@ def test_both_sides_flops_come_from_one_formula():
         assert fl["useful"] <= fl["ours"] < fl["anchor"]
         # the useful FLOPs: every episode as a document, its response positions in the loss
         lens = [len(e.prompt_ids) + len(e.response_ids) for e in eps]
-        assert fl["useful"] == anchor.step_flops(spec, lens, fl["loss_tokens"])
+        assert fl["useful"] == titan.step_flops(spec, lens, fl["loss_tokens"])
     assert anchor.mfu(2e15, 2.0, 1000.0, 1) == pytest.approx(1.0)
     assert anchor.mfu(1e15, 1.0, 1000.0, 2) == pytest.approx(0.5)
     assert anchor.mfu(1e15, 1.0, 0.0) == 0.0

@@ -275,7 +275,8 @@ class Trainer(Actor):
         ``ratio_mean/min/max``, ``train_s`` (seconds), ``train_tokens`` (response tokens),
         ``seq_tokens`` (prompt + response tokens through forward and backward), ``tokens_per_s``,
         ``skipped`` (1.0 when the step was skipped), ``version`` (after the step); on GPUs also
-        ``mfu`` and ``peak_mem_gb``.
+        ``mfu`` (the episodes' useful FLOPs, :func:`forge_core.titan.step_flops`, over the step's
+        seconds and the GPUs' datasheet peak; padding and recomputation not counted) and ``peak_mem_gb``.
         """
         self._sync()
         t0 = time.perf_counter()
@@ -331,9 +332,9 @@ class Trainer(Actor):
                    skipped=float(skipped))
         if self.device.type == "cuda":
             peak = titan.peak_tflops(torch.cuda.get_device_name(0)) * 1e12 * self.world
-            avg_len = agg.get("seq_tokens", 0.0) / max(len(episodes), 1)
-            flops = titan.flops_per_token(self.spec, int(avg_len), frozen=bool(self.lora.rank))
-            agg.update(mfu=tok_s * flops / peak if peak else 0.0,
+            flops = titan.step_flops(self.spec, [len(e.prompt_ids) + len(e.response_ids) for e in episodes],
+                                     int(total_tokens), frozen=bool(self.lora.rank))  # the useful FLOPs
+            agg.update(mfu=flops / dt / peak if peak else 0.0,
                        peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
             torch.cuda.empty_cache()  # colocated: hand the memory back before the generator wakes
         return agg
