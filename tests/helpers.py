@@ -54,6 +54,32 @@ def cli(*args, module: str = "launch.local", env: dict | None = None, timeout: f
                           capture_output=True, text=True, timeout=timeout)
 
 
+def cli_here(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`cli` of ``launch.local`` in this process (``launch.local.main``, from the repository root,
+    with ``env`` on top of this process's environment and output captured): for a command that ends
+    before any actor starts (a refusal, ``check``, ``eval`` on the CPU), without a new interpreter's
+    seconds of imports. An exception that escapes ``main`` fails the test with its traceback."""
+    import contextlib
+    import io
+
+    from launch import local
+
+    out, err, saved, cwd = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
+    os.environ.update(child_env(**(env or {})))
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = local.main([str(a) for a in args])
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["launch.local", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def run_cmd(out, *args: str, recipe: str = "smollm2_135m") -> list[str]:
     """The command line of a tiny local run writing under ``out``: ``launch.local run RECIPE TINY ARGS``."""
     return [PY, "-m", "launch.local", "run", recipe, *TINY, f"output_dir={out}", *args]

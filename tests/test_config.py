@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from forge_core.config import ConfigError, load_config
-from helpers import PY, ROOT, cli
+from helpers import PY, ROOT, cli, cli_here
 RECIPES = sorted(os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(ROOT, "recipes", "*", "config.yaml")))
 
 
@@ -145,8 +145,9 @@ def test_unknown_recipe():
 
 
 def _cli(*args, env=None):
-    """``python -m launch.local ARGS`` without the HF hub."""
-    return cli(*args, env={"HF_HUB_OFFLINE": "1", **(env or {})}, timeout=120)
+    """``python -m launch.local ARGS`` without the HF hub, in this process (each command here ends
+    before any actor starts; the launchers' own processes are tested above and in test_e2e)."""
+    return cli_here(*args, env={"HF_HUB_OFFLINE": "1", **(env or {})})
 
 
 def test_a_missing_recipe_is_the_only_required_argument():

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from helpers import PY, ROOT, TINY, cli, rows
+from helpers import PY, ROOT, TINY, cli, cli_here, rows
 REWARD = '''
 def score(response, example):
     """1 for the right sum, a small bonus for short answers."""
@@ -61,7 +61,7 @@ def test_a_copied_recipe_trains_on_its_own_data_and_reward_and_evaluates(tmp_pat
     """The copy's own JSONL and reward.py: its reward's components are logged; held-out evaluation at
     start and every 2 steps (and the last) logs rows at those steps with the version evaluated."""
     d = copy_recipe(tmp_path)
-    r = cli("check", d, *TINY)
+    r = cli_here("check", d, *TINY)
     assert r.returncode == 0 and "40 training prompts" in r.stderr and "reward.py:score" in r.stdout, r.stderr
     r = cli("run", d, *TINY, "steps=3", "eval.every=2", "eval.at_start=true", "eval.num_questions=4",
             f"output_dir={tmp_path}/runs", "run_id=a")
@@ -112,7 +112,7 @@ def test_bad_experiment_input_is_refused_before_anything_is_written(tmp_path):
     for i, (over, says) in enumerate(cases):
         args = [*TINY, *over, f"output_dir={tmp_path}/runs"]
         for cmd in ("check", "run") if i < 3 else ("run",):  # check and run share the code (load_task)
-            r = cli(cmd, d, *args)
+            r = cli_here(cmd, d, *args)
             assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (cmd, over, r.stderr)
         assert not (tmp_path / "runs").exists(), over
 

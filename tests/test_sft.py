@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forge_core.config import ConfigError, load_config
-from helpers import TINY_MODEL, cli, rows
+from helpers import TINY_MODEL, cli, cli_here, rows
 
 # the SFT recipe's tiny runs: targets cut at 24 tokens (generator.max_response_tokens), its own group size
 TINY = [*TINY_MODEL, "generator.max_response_tokens=24", "generator.max_prompt_tokens=128", "trainer.micro_batch_size=4",
@@ -80,7 +80,7 @@ def test_bad_sft_input_is_named(tmp_path):
     for split in ("train", "test"):
         with open(data / f"{split}.jsonl", "w") as f:
             f.write(json.dumps({"q": "1 + 1?", "sol": "2"}) + "\n" + json.dumps({"q": "2 + 2?", "sol": ""}) + "\n")
-    r = cli("run", "smollm2_135m_sft", *TINY, "data.source=file", f"data.train={data}/train.jsonl",
+    r = cli_here("run", "smollm2_135m_sft", *TINY, "data.source=file", f"data.train={data}/train.jsonl",
             f"data.test={data}/test.jsonl", "data.prompt_field=q", "data.answer_field=sol", "reward.fn=math",
             f"output_dir={tmp_path}/runs")
     assert r.returncode == 2 and "train.jsonl:2: no SFT target: field 'sol' is missing or empty" in r.stderr, r.stderr
@@ -89,7 +89,7 @@ def test_bad_sft_input_is_named(tmp_path):
     run = tmp_path / "sft_run"
     (run / "checkpoints" / "step_000004").mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4, 5)))
-    r = cli("run", "smollm2_135m", *TINY, f"model.path={run}/final")
+    r = cli_here("run", "smollm2_135m", *TINY, f"model.path={run}/final")
     assert r.returncode == 2 and f"{run} is a run that did not finish (no final/; metrics up to step 5, " \
         f"checkpoints: ['step_000004'])" in r.stderr and "the same run_id" in r.stderr, r.stderr
 
