@@ -86,7 +86,8 @@ class TrainerConfig:
     response) packed into micro-batches of this many tokens with document-causal attention (0: no
     packing, pad ``micro_batch_size`` sequences to the longest; a multiple of 128 suits
     FlexAttention). ``logprob_chunk``: response positions per block of the chunked logprobs (no
-    ``[tokens, vocab]`` logits are ever held whole). ``compute_dtype``: ``"bfloat16"`` autocast over
+    ``[tokens, vocab]`` logits are ever held whole; on CUDA each block's element-wise work is one
+    compiled kernel). ``compute_dtype``: ``"bfloat16"`` autocast over
     fp32 master weights, ``"float32"``, or ``"auto"`` (as ``generator.dtype``).
     ``activation_checkpointing``: recompute each block in the backward (TorchTitan's full AC),
     ``true``/``false``, or ``null`` (default): on when the trainer's memory estimate without it
