@@ -168,7 +168,7 @@ def random_peft_adapter(model: str, cfg, path: str, seed: int) -> int:
     for name, shape, _ in hf_layout(hf_config_dict(model)):
         m = name.rsplit(".", 2)
         if len(m) == 3 and m[1] in cfg.trainer.lora.target_modules and m[2] == "weight":
-            key = f"base_model.model.{name[:-len('.weight')]}"
+            key = lora.peft_key(name[:-len(".weight")])
             tensors[f"{key}.lora_A.weight"] = (torch.randn(r, shape[1], generator=g) * shape[1] ** -0.5).bfloat16()
             tensors[f"{key}.lora_B.weight"] = (torch.randn(shape[0], r, generator=g) * 1e-3).bfloat16()
     lora.save_peft(path, tensors, cfg.trainer.lora, None)
@@ -183,6 +183,7 @@ def vllm_rows(a, model: str, adapters: bool) -> None:
     (``add_lora``), and the tok/s with it. Run the two as separate processes (one engine per process)."""
     import tempfile
 
+    import torch
     from vllm import LLM, SamplingParams
 
     from forge_core.actors.vllm_generator import vllm_model_dir
@@ -191,21 +192,23 @@ def vllm_rows(a, model: str, adapters: bool) -> None:
     kw = dict(enable_lora=True, max_lora_rank=a.rank, max_loras=1) if adapters else {}
     llm = LLM(model=vllm_model_dir(model, 2048), skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
               gpu_memory_utilization=0.85, max_model_len=2048, seed=0, **kw)
-    import torch
-
     g = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": torch.randint(100, vocab - 100, (256,), generator=g).tolist()}
                for _ in range(a.prompts)]
     sp = SamplingParams(n=8, temperature=1.0, max_tokens=1024, ignore_eos=True)
     what = f"{model} raw vLLM generation ({a.prompts}x8x1024)"
+
+    def rate(req=None, warm: bool = False) -> float:
+        """Tokens per second of one ``generate`` of every prompt (after a short untimed one if ``warm``)."""
+        if warm:
+            llm.generate(prompts[:2], SamplingParams(max_tokens=16), lora_request=req, use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, lora_request=req, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0)
+
     if not adapters:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=16), use_tqdm=False)
-        runs = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            runs.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+        runs = [rate(warm=True), rate()]
         row(f"{what}, no LoRA (merged weights)", f"{max(runs):,.0f} tok/s", section="vllm", model=model,
             tok_s=max(runs), runs=runs)
         return
@@ -222,11 +225,7 @@ def vllm_rows(a, model: str, adapters: bool) -> None:
             t0 = time.perf_counter()
             llm.llm_engine.add_lora(req)
             loads.append(time.perf_counter() - t0)
-            if version == 1:
-                llm.generate(prompts[:2], SamplingParams(max_tokens=16), lora_request=req, use_tqdm=False)
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, lora_request=req, use_tqdm=False)
-            runs.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+            runs.append(rate(req, warm=version == 1))
             if version > 1:
                 llm.llm_engine.remove_lora(version - 1)
     row(f"{what}, LoRA rank {a.rank} adapter (enable_lora)",

@@ -19,6 +19,7 @@ Usage (trainer or reference actor; ``episodes`` a list of :class:`forge_core.epi
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -229,14 +230,10 @@ def _logit_grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad:
     return ((hit.float() - p) * (grad.float() / temperature)[:, None]).to(z.dtype)
 
 
-_COMPILED: dict = {}
-
-
+@functools.cache
 def _compiled(fn):
-    """``fn`` under ``torch.compile`` (compiled once per process, dynamic in the chunk length)."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+    """``fn`` under ``torch.compile`` (wrapped once per process, dynamic in the chunk length)."""
+    return torch.compile(fn, dynamic=True)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
