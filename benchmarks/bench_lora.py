@@ -267,6 +267,8 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
+    if bad := sorted(set(a.sections.split(",")) - {"train", "sync", "vllm", "vllm_lora"}):
+        p.error(f"--sections: {', '.join(bad)} is not one of train, sync, vllm, vllm_lora")
     print("| what | value | device |\n|---|---|---|", flush=True)
     try:
         asyncio.run(bench(a))
