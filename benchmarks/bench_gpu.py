@@ -1,7 +1,7 @@
 """GPU benchmark (``make bench``): one table, every row naming the device it ran on.
 
     python -m benchmarks.bench_gpu [--model qwen3_1_7b] [--gpus N] [--sections gen,scale,layouts,train,ref,sync]
-                                   [--layouts 1x2,2x1] [--train-gpus N] [--train-ac 0,1] [--train-steps 2]
+                                   [--layouts 1x2,2x1] [--train-gpus N] [--train-ac 0,1] [--train-steps 2] [--anchor 0]
                                    [--out bench.json] [overrides ...]
 
 Real actors (:mod:`forge_core.services`), the recipe's shape with random weights
@@ -258,7 +258,7 @@ def anchor(model: str, episodes_path: str, budget: int, gpus: list, ac: bool, st
 
 
 async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: tuple = (False, True),
-                        steps: int = 2) -> None:
+                        steps: int = 2, with_anchor: bool = True) -> None:
     """Trainer (alone, on ``train_gpus`` GPUs, or the layout's) against the anchor on the same GPUs,
     once per activation-checkpointing setting (both sides with the same setting).
 
@@ -269,6 +269,8 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
     formula, :func:`forge_core.titan.step_flops`): each side's executed FLOPs (ours: the output layer on
     response positions; the anchor: on every position, as TorchTitan's loss) and the useful FLOPs both
     must do. ``anchor_ratio`` = ours / anchor tok/s, printed truncated to three significant digits.
+    ``with_anchor`` False: the trainer alone (say, with LoRA, which the anchor has no counterpart of;
+    a LoRA row's MFU is the trainer's own, frozen weights counted at 4 N FLOPs a token).
     """
     import tempfile
 
@@ -301,21 +303,23 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
         f"useful {fl['useful'] / 1e12:,.0f} TFLOP; executed: ours {fl['ours'] / 1e12:,.0f}, anchor "
         f"{fl['anchor'] / 1e12:,.0f} (full logits); padding {fl['padding']:,} tokens", "", flops=fl)
     n = max(torch.cuda.device_count(), max(tgpus) + 1)
+    lora = int(cfg.trainer.lora.rank)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "episodes.json")
         save_episodes(eps, path)
         for ac in ac_settings:
             a = None
             try:
-                a = anchor(cfg.model.name, path, budget, tgpus, ac, steps)
+                a = anchor(cfg.model.name, path, budget, tgpus, ac, steps) if with_anchor else None
+            except Exception as e:  # e.g. out of memory: a row saying so, the trainer still measured
+                row(f"anchor AC {ac}", f"failed: {str(e)[:300]}", ac=ac)
+            if a is not None:
                 row(f"anchor: TorchTitan step, compiled model and loss, flex block_causal, bf16, the same packed "
                     f"episodes, AC {ac} (x{world} GPU)",
                     f"{a['anchor_tok_s']:,.0f} tok/s  MFU {a['anchor_mfu']:.1%} (useful {a['anchor_useful_mfu']:.1%})  "
                     f"{a['anchor_step_s']:.2f} s/step  peak {a['peak_mem_gb']:.0f} GB", "", ac=ac,
                     **{f"anchor_{k}": v for k, v in a.items() if not k.startswith("anchor")},
                     anchor_tok_s=a["anchor_tok_s"], anchor_mfu=a["anchor_mfu"])
-            except Exception as e:  # e.g. out of memory: a row saying so, the trainer still measured
-                row(f"anchor AC {ac}", f"failed: {str(e)[:300]}", ac=ac)
             c = OmegaConf.merge(cfg, {"trainer": {"activation_checkpointing": ac}, "layout": {"gpus_per_node": n}})
             plan = Plan([Slot(0, [n])], Slot(0, tgpus), Slot(0, [n]), False, n)  # the trainer alone on its GPUs
             t = await spawn_service(c, "trainer", plan.trainer, plan)
@@ -323,6 +327,8 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
                 ms = [await call("trainer", t.train_step, eps) for _ in range(steps + 1)]
                 m = max(ms[1:], key=lambda x: x["tokens_per_s"])  # the best timed step, as the anchor's
                 ours_mfu, useful_mfu = (mfu(fl[k], m["train_s"], peak, world) for k in ("ours", "useful"))
+                if lora:  # frozen base weights: no weight gradients (4 N), the trainer's own count
+                    ours_mfu = useful_mfu = m.get("mfu", 0.0)
                 kw = dict(trainer_tok_s=m["tokens_per_s"], mfu=ours_mfu, useful_mfu=useful_mfu, train_s=m["train_s"],
                           peak_mem_gb=m["peak_mem_gb"], ac=ac, compile_s=await call("trainer", t.compile_time))
                 value = (f"{m['tokens_per_s']:,.0f} tok/s  MFU {ours_mfu:.1%} (useful {useful_mfu:.1%})  "
@@ -332,7 +338,8 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
                     value += f"  = {ratio_text(ratio)} of the anchor"
                     kw.update(anchor_ratio=ratio, anchor_ratio_text=ratio_text(ratio), anchor_tok_s=a["anchor_tok_s"])
                 row(f"trainer tok/s ({len(eps)} episodes, {m['seq_tokens']:.0f} tokens; packing {budget}, "
-                    f"compile {c.trainer.compile}, AC {ac})", value, ">= 0.950 of the anchor", **kw)
+                    f"compile {c.trainer.compile}, AC {ac}{f', LoRA rank {lora}' if lora else ''})", value,
+                    ">= 0.950 of the anchor" if a is not None else "", lora_rank=lora, **kw)
             except Exception as e:  # e.g. out of memory without AC: a row saying so
                 row(f"trainer AC {ac}", f"failed: {str(e)[:300]}")
             finally:
@@ -454,7 +461,8 @@ async def bench(a) -> None:
         layouts = [x for x in a.layouts.split(",") if x]
         await section_scale(cfg, prompts_of(cfg, 16 * a.gpus), a.gpus, layouts, "scale" in secs)
     if "train" in secs:
-        await section_train(cfg, eps, a.train_gpus, tuple(x == "1" for x in a.train_ac.split(",")), a.train_steps)
+        await section_train(cfg, eps, a.train_gpus, tuple(x == "1" for x in a.train_ac.split(",")), a.train_steps,
+                            bool(a.anchor))
     if "ref" in secs:
         await section_ref(cfg, eps, a.train_gpus)
     if "sync" in secs:
@@ -471,6 +479,7 @@ def main() -> int:
     p.add_argument("--train-steps", type=int, default=2,
                    help="train section: timed steps per side (the best counts), after one untimed (the anchor's compiles)")
     p.add_argument("--train-ac", default="0,1", help="train section: activation checkpointing settings to run (0/1)")
+    p.add_argument("--anchor", type=int, default=1, help="train section: 0 times the trainer alone (no anchor)")
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))
     p.add_argument("--out", default="")
     p.add_argument("overrides", nargs="*")

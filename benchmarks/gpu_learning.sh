@@ -30,53 +30,47 @@ generator.gpu_memory_utilization=$GPU_UTIL trainer.tokens_per_micro_batch=8192"
 SFT="loss=sft steps=${SFT_STEPS:-100} prompts_per_step=64 trainer.lr=3e-5 eval.every=${SFT_STEPS:-100} \
 eval.at_start=true checkpoint.every=0 generator.gpu_memory_utilization=$GPU_UTIL \
 trainer.tokens_per_micro_batch=8192"
-start() {  # name, args...
-  local name=$1; shift
-  setsid nohup python3 -m launch.local run smollm2_135m_gpu1 output_dir=$R run_id="$name" "$@" \
-    > "$R/$name.log" 2>&1 < /dev/null &
-  echo $! > "$R/$name.pid"; echo "started $name: $*"
+LORA="trainer.lora.rank=16 trainer.lora.alpha=32 trainer.lr=${LORA_LR:-1e-4}"
+args_of() {  # name -> its overrides
+  case $1 in
+    bf16_s0|full_s0) echo "$COMMON" ;;
+    bf16_s1|full_s1) echo "$COMMON seed=1 data.seed=1" ;;
+    fp8tis_s0) echo "$COMMON generator.quantization=fp8 loss.rollout_correction=tis" ;;
+    fp8tis_s1) echo "$COMMON generator.quantization=fp8 loss.rollout_correction=tis seed=1 data.seed=1" ;;
+    lora_s0) echo "$COMMON $LORA" ;;
+    lora_s1) echo "$COMMON $LORA seed=1 data.seed=1" ;;
+    sft_grpo) echo "model.path=$R/sft/final $COMMON" ;;
+    *) echo "unknown run $1: bf16_s0 bf16_s1 fp8tis_s0 fp8tis_s1 full_s0 full_s1 lora_s0 lora_s1 sft_grpo" >&2; return 2 ;;
+  esac
 }
+start() {  # name: a detached run with args_of's overrides
+  local name=$1 args
+  args=$(args_of "$name") || exit 2
+  rm -rf "${R:?}/$name"
+  setsid nohup python3 -m launch.local run smollm2_135m_gpu1 output_dir=$R run_id="$name" $args \
+    > "$R/$name.log" 2>&1 < /dev/null &
+  echo $! > "$R/$name.pid"; echo "started $name: $args"
+}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 case ${1:-} in
   start)
     bash benchmarks/gpu.sh setup || exit 3
     mkdir -p $R
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-      VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
-    start bf16_s0 $COMMON
-    start bf16_s1 $COMMON seed=1 data.seed=1
-    start fp8tis_s0 $COMMON generator.quantization=fp8 loss.rollout_correction=tis
-    start fp8tis_s1 $COMMON generator.quantization=fp8 loss.rollout_correction=tis seed=1 data.seed=1
+    for name in bf16_s0 bf16_s1 fp8tis_s0 fp8tis_s1; do start $name; done
     # SFT, then GRPO from its final/ (one chain, detached)
     setsid nohup bash -c "python3 -m launch.local run smollm2_135m_gpu1 output_dir=$R run_id=sft $SFT > $R/sft.log 2>&1;
-      python3 -m launch.local run smollm2_135m_gpu1 output_dir=$R run_id=sft_grpo model.path=$R/sft/final $COMMON \
+      python3 -m launch.local run smollm2_135m_gpu1 output_dir=$R run_id=sft_grpo $(args_of sft_grpo) \
       > $R/sft_grpo.log 2>&1" < /dev/null > /dev/null 2>&1 &
     echo $! > "$R/sft_chain.pid"; echo "started sft -> sft_grpo" ;;
   start-lora)
     bash benchmarks/gpu.sh setup || exit 3
     mkdir -p $R
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-      VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
-    LORA="trainer.lora.rank=16 trainer.lora.alpha=32 trainer.lr=${LORA_LR:-1e-4}"
-    start full_s0 $COMMON; sleep ${STAGGER:-20}
-    start full_s1 $COMMON seed=1 data.seed=1; sleep ${STAGGER:-20}
-    start lora_s0 $COMMON $LORA; sleep ${STAGGER:-20}
-    start lora_s1 $COMMON $LORA seed=1 data.seed=1 ;;
-  rerun)  # rerun the named runs (say, ones whose engine start failed), STAGGER (30) s apart
+    for name in full_s0 full_s1 lora_s0 lora_s1; do start $name; sleep ${STAGGER:-20}; done ;;
+  rerun)  # rerun the named runs (say, ones whose engine start failed, or cut short), STAGGER (30) s apart
     shift
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-      VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
-    for name in "$@"; do
-      rm -rf "${R:?}/$name"
-      case $name in
-        bf16_s0) start bf16_s0 $COMMON ;;
-        bf16_s1) start bf16_s1 $COMMON seed=1 data.seed=1 ;;
-        fp8tis_s0) start fp8tis_s0 $COMMON generator.quantization=fp8 loss.rollout_correction=tis ;;
-        fp8tis_s1) start fp8tis_s1 $COMMON generator.quantization=fp8 loss.rollout_correction=tis seed=1 data.seed=1 ;;
-        sft_grpo) start sft_grpo model.path=$R/sft/final $COMMON ;;
-        *) echo "unknown run $name"; exit 2 ;;
-      esac
-      sleep ${STAGGER:-30}
-    done ;;
+    mkdir -p $R
+    for name in "$@"; do start "$name"; sleep ${STAGGER:-30}; done ;;
   watch) ;;
   *) echo "usage: $0 start|start-lora|rerun NAME...|watch"; exit 2 ;;
 esac
