@@ -227,6 +227,22 @@ def test_fsdp2_over_lora_adapters_on_two_gloo_ranks(tmp_path):
     torch.multiprocessing.spawn(_fsdp_worker, args=(str(tmp_path / "init"),), nprocs=2)
 
 
+def test_memory_estimate_counts_the_staging_buffer():
+    """qwen3_8b_lora on one 141 GB GPU: the frozen fp32 base, the adapters and the activations of a
+    16,384-token micro-batch fit 85% of it (127 GB), but not with the 16 GB bf16 staging buffer the
+    merged weights are published into, which ran out of memory on an H200; so the estimate counts it
+    and turns activation checkpointing on."""
+    spec = titan.titan_model_args("qwen3_8b")
+    cfg = lora.LoRAConfig(rank=32, alpha=64, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"])
+    n = sum(k for *_, k in titan.hf_layout(spec.hf))
+    kw = dict(world=1, tokens=16384, ac=False, trainable=lora.num_params(spec.hf, cfg))
+    without, with_staging = titan.train_memory_gb(spec, **kw), titan.train_memory_gb(spec, staging_bytes=2, **kw)
+    assert with_staging - without == pytest.approx(2 * n / 1e9)
+    usable = 150.1 * 0.85 - 2.0  # an H200 (139.8 GiB), less a sleeping engine's 2 GB
+    assert without < usable < with_staging
+
+
 @pytest.mark.slow
 def test_activation_checkpointing_and_per_block_compile_keep_the_adapters():
     """The GPU trainer's wrappers on the CPU: TorchTitan's full activation checkpointing and per-block

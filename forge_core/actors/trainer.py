@@ -169,6 +169,8 @@ class Trainer(Actor):
         self.model_name = model["name"]
         self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
         self.budget = int(self.t.tokens_per_micro_batch)
+        hidden = self.spec.hf["hidden_size"]
+        self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
         self.ac = self._activation_checkpointing(seq_len, shared_gb, shared_frac)
         par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
@@ -186,8 +188,6 @@ class Trainer(Actor):
         if self.lora.rank and self.rank == 0:
             print(f"[forge] trainer: {lora_mod.describe(self.lora, self.model)}", flush=True)
         self.adapter = titan.state_dict_adapter(self.spec)
-        hidden = self.spec.hf["hidden_size"]
-        self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
         self.staging: dict[str, StagingBuffer] = {}  # per published dtype, on rank 0
         self.last_dtype = self.publish_dtype  # of the last publish (weights_digest's default)
         self.sender: Optional[Sender] = None
@@ -205,15 +205,16 @@ class Trainer(Actor):
 
     def _activation_checkpointing(self, seq_len: int, shared_gb: float, shared_frac: float = 0.0) -> bool:
         """``trainer.activation_checkpointing``, or when unset: on iff the memory estimate without it
-        (:func:`forge_core.titan.train_memory_gb`) exceeds 85% (less ``shared_frac``) of this GPU
-        minus ``shared_gb``."""
+        (:func:`forge_core.titan.train_memory_gb`, the publish staging buffer included) exceeds 85%
+        (less ``shared_frac``) of this GPU minus ``shared_gb``."""
         if self.t.activation_checkpointing is not None:
             return bool(self.t.activation_checkpointing)
         if self.device.type != "cuda":
             return False
         tokens = self.budget or self.t.micro_batch_size * seq_len
         need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False,
-                                     trainable=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None)
+                                     trainable=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None,
+                                     staging_bytes=getattr(torch, self.publish_dtype).itemsize)
         have = torch.cuda.get_device_properties(0).total_memory / 1e9 * (0.85 - shared_frac) - shared_gb
         if self.rank == 0:
             print(f"[forge] trainer: activation checkpointing {'on' if need > have else 'off'} (estimate "

@@ -278,6 +278,8 @@ class VllmGenerator(Actor):
         self.layout: Optional[list] = None
         self.handle: Optional[WeightHandle] = None
         self.bucket_bytes = int(bucket_mb) << 20
+        if self.sleeps:  # asleep until the first rollout, so the trainer starts (compiles) on a free GPU
+            self._sleep()
 
     # ---- sleep / wake (colocated mode) --------------------------------------------------------
     def _wake(self, tags: list) -> float:
