@@ -22,7 +22,9 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             ``grad_norm``, ``train_s``; ``kl_mean``, ``kl_max``, ``clip_frac_low``, ``clip_frac_high``,
             ``ratio_mean``, ``tokens_per_s``, the train-inference mismatch ``mismatch_kl``,
             ``mismatch_max``, ``is_ratio_mean``, ``is_ratio_max``, ``is_corrected_frac``
-            (:func:`forge_core.losses.compute_loss`) where the loss reports them (else 0, ratios 1).
+            (:func:`forge_core.losses.compute_loss`) where the loss reports them (else 0, ratios 1);
+            on GPUs ``mfu`` (useful FLOPs over seconds and the datasheet peak) and ``peak_mem_gb``
+            (rank 0's most allocated GPU memory so far, GB), logged as 0 on a CPU.
         batch: the trained batch's ``batch_hash`` (:func:`batch_hash`) and :func:`batch_stats`.
         sync: the previous weight sync's figures: ``weight_sync_s``, ``weight_transfer_s``,
             ``weight_sync_exposed_s`` (seconds), ``weight_sync_gb_s`` (GB/s), ``weight_sync_bytes``
@@ -48,7 +50,8 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             **{k: tm.get(k, 1.0) for k in ("is_ratio_mean", "is_ratio_max")},
             "grad_norm": tm["grad_norm"], "gen_tok_s": mean("gen_tok_s"), "gen_s": mean("gen_s"),
             "reward_s": mean("reward_s"), "ref_s": mean("ref_s"), "train_s": tm["train_s"],
-            "train_tok_s": tm.get("tokens_per_s", 0.0), "wait_for_rollout_s": timings["wait_for_rollout_s"],
+            "train_tok_s": tm.get("tokens_per_s", 0.0), "mfu": tm.get("mfu", 0.0), "peak_mem_gb": tm.get("peak_mem_gb", 0.0),
+            "wait_for_rollout_s": timings["wait_for_rollout_s"],
             **{k: sync.get(k, 0.0) for k in ("weight_sync_s", "weight_transfer_s", "weight_sync_exposed_s",
                                              "weight_sync_gb_s", "weight_sync_bytes")},
             "generator_version": state["generator_version"], "gen_replicas": mean("gen_replicas"),
