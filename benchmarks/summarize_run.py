@@ -13,12 +13,13 @@ import json
 import statistics
 
 KEYS = ("step_s", "gen_s", "ref_s", "train_s", "wait_for_rollout_s", "weight_transfer_s", "weight_sync_exposed_s",
-        "weight_sync_s", "gen_tok_s", "train_tok_s", "reward_mean", "format_rate")
+        "weight_sync_s", "gen_tok_s", "train_tok_s", "mfu", "reward_mean", "format_rate")
 
 
 def summarize(path: str, skip: int = 1, until: int = 0) -> dict:
     """Means of :data:`KEYS` over steps ``skip+1 .. until`` (``until`` 0: the last; the first steps
-    pay start-up and compile), ``overlap`` = (gen + ref + train) / step, and the step count."""
+    pay start-up and compile), ``overlap`` = (gen + ref + train) / step, the trainer's largest
+    ``peak_mem_gb`` (GB; 0 before it was logged, or on a CPU) and the step count."""
     from forge_core.metrics import read_jsonl
 
     rows = [r for r in read_jsonl(path) if "step_s" in r]  # step rows (held-out evaluation rows apart)
@@ -27,7 +28,7 @@ def summarize(path: str, skip: int = 1, until: int = 0) -> dict:
         raise SystemExit(f"{path}: no step after the first {skip} (and up to step {until or 'the last'}) to average")
     out = {k: statistics.fmean(r.get(k, 0.0) for r in use) for k in KEYS}
     out["overlap"] = (out["gen_s"] + out["ref_s"] + out["train_s"]) / max(out["step_s"], 1e-9)
-    out.update(steps=len(rows), measured_steps=len(use), startup_s=rows[0].get("startup_s", 0.0) if rows else 0.0,
+    out.update(peak_mem_gb=max(r.get("peak_mem_gb", 0.0) for r in rows), steps=len(rows), measured_steps=len(use), startup_s=rows[0].get("startup_s", 0.0) if rows else 0.0,
                restarts=sum(rows[-1].get(k, 0) for k in ("restarts_generator", "restarts_reward", "restarts_reference"))
                if rows else 0)
     return out
@@ -46,7 +47,7 @@ def main() -> int:
     if a.markdown:
         print(f"| {a.name} | {s['step_s']:.1f} s | gen {s['gen_s']:.1f} | ref {s['ref_s']:.1f} | train {s['train_s']:.1f} | "
               f"wait {s['wait_for_rollout_s']:.1f} | transfer {s['weight_transfer_s']:.2f} | exposed "
-              f"{s['weight_sync_exposed_s']:.3f} | overlap {s['overlap']:.2f} |")
+              f"{s['weight_sync_exposed_s']:.3f} | overlap {s['overlap']:.2f} | peak {s['peak_mem_gb']:.0f} GB |")
     return 0
 
 
