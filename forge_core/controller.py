@@ -65,7 +65,7 @@ from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
 from forge_core.rewards import load_reward_fn, reward_components
-from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, eval_max_tokens,
+from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, clip, eval_max_tokens,
                                  spawn_services)
 from forge_core.weight_sync import choose_transport
 
@@ -653,14 +653,14 @@ class Controller:
         recent = [t for t in self.restart_times.get(name, []) if now - t < f.restart_window_s]
         if len(recent) >= f.max_restarts:
             raise ActorFailed(f"actor '{name}' failed {len(recent) + 1} times within {f.restart_window_s:g} s "
-                              f"(fault.max_restarts={f.max_restarts}); last error: {str(error)[:1500]}") from error
+                              f"(fault.max_restarts={f.max_restarts}); last error: {clip(str(error), 1500)}") from error
         self.restart_times[name] = recent + [now]
 
     def _record_fault(self, name: str, error: BaseException, t0: float) -> None:
         role = "generator" if name.startswith("generator") else name
         self.restarts[role] += 1
         self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-        rec = {"service": name, "step": self.step, "error": str(error)[:500], "recover_s": time.perf_counter() - t0,
+        rec = {"service": name, "step": self.step, "error": clip(str(error), 500), "recover_s": time.perf_counter() - t0,
                "restarts": self.restarts[role], "time": time.time()}
         with open(os.path.join(self.out_dir, "faults.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -61,7 +61,16 @@ async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[f
     except Exception as e:
         if isinstance(e, TimeoutError) and deadline.expired():  # not a TimeoutError the actor raised
             raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
-        raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {str(e)[:2000]}") from e
+        raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {clip(str(e))}") from e
+
+
+def clip(text: str, n: int = 2000) -> str:
+    """``text`` cut to about ``n`` characters by dropping its middle: a remote actor's error carries
+    its traceback, whose last lines (the exception itself, say a CUDA out-of-memory) matter most."""
+    if len(text) <= n:
+        return text
+    head = n // 4
+    return f"{text[:head]} [... {len(text) - n:,} characters ...] {text[-(n - head):]}"
 
 
 async def call_all(actor_name: str, endpoint: "_Endpoint", *args: Any, timeout_s: Optional[float] = None) -> list:

@@ -35,6 +35,24 @@ def test_call_never_swallows_a_cancel_that_meets_the_answer():
     asyncio.run(main())
 
 
+def test_an_actors_long_error_keeps_its_last_line():
+    """A remote actor's error holds its whole traceback; the exception is its last line (a CUDA
+    out-of-memory in the trainer's start-up was once cut away), so a long message loses its middle."""
+    from forge_core.services import ActorFailed, call
+
+    trace = "Traceback (most recent call last):\n" + "  File x.py, line 1, in f\n" * 400 + \
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 384.00 MiB."
+
+    async def fail():
+        raise RuntimeError(trace)
+
+    with pytest.raises(ActorFailed) as e:
+        asyncio.run(call("trainer", SimpleNamespace(call_one=fail)))
+    msg = str(e.value)
+    assert msg.startswith("actor 'trainer' failed: RuntimeError: Traceback (most recent call last):")
+    assert msg.endswith("CUDA out of memory. Tried to allocate 384.00 MiB.") and len(msg) < 2200, msg[-300:]
+
+
 def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
     """generator.dtype=auto: a respawned generator replica or reference gets the dtype its role
     resolved at the start, not a new probe (which could pick another dtype than the weights the
