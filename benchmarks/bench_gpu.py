@@ -280,7 +280,7 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
     from benchmarks.anchor import mfu, plan_flops, ratio_text, save_episodes
     from forge_core import titan
     from forge_core.layout import Plan, Slot, plan_layout
-    from forge_core.services import call, spawn_service
+    from forge_core.services import call, clip, spawn_service
 
     eps = synthetic_episodes(cfg, eps_from_gen)
     budget = int(cfg.trainer.tokens_per_micro_batch)
@@ -341,7 +341,7 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
                     f"compile {c.trainer.compile}, AC {ac}{f', LoRA rank {lora}' if lora else ''})", value,
                     ">= 0.950 of the anchor" if a is not None else "", lora_rank=lora, **kw)
             except Exception as e:  # e.g. out of memory without AC: a row saying so
-                row(f"trainer AC {ac}", f"failed: {str(e)[:300]}")
+                row(f"trainer AC {ac}", f"failed: {clip(str(e), 300)}")
             finally:
                 await t.stop(60)
             torch.cuda.empty_cache()
@@ -357,7 +357,7 @@ async def section_ref(cfg, eps_from_gen: list, train_gpus: int) -> None:
     from omegaconf import OmegaConf
 
     from forge_core.layout import Plan, Slot, plan_layout
-    from forge_core.services import call_all, spawn_service
+    from forge_core.services import call_all, clip, spawn_service
 
     eps = synthetic_episodes(cfg, eps_from_gen)
     tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
@@ -381,7 +381,7 @@ async def section_ref(cfg, eps_from_gen: list, train_gpus: int) -> None:
                 f"{best:.2f} s/step  {tokens / best:,.0f} tok/s (first call {times[0]:.0f} s)", "",
                 ref_gpus=len(gpus), ref_s=best, ref_tok_s=tokens / best, first_call_s=times[0])
         except Exception as e:
-            row(f"reference on {len(gpus)} GPU(s)", f"failed: {str(e)[:300]}", ref_gpus=len(gpus))
+            row(f"reference on {len(gpus)} GPU(s)", f"failed: {clip(str(e), 300)}", ref_gpus=len(gpus))
         finally:
             await r.stop(60)
         torch.cuda.empty_cache()

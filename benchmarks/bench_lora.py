@@ -119,7 +119,7 @@ async def sync_rows(a, model: str) -> None:
     from forge_core import lora
     from forge_core.layout import plan_layout
     from forge_core.models import hf_config_dict
-    from forge_core.services import call, spawn_service
+    from forge_core.services import call, clip, spawn_service
 
     for rank in (a.rank, 0):
         cfg = config(a, model, rank, ("trainer.compile=false",))  # no training here: no compile to wait for
@@ -147,7 +147,7 @@ async def sync_rows(a, model: str) -> None:
                 section="sync", model=model, lora_rank=rank, publish_s=pub, load_s=load, bytes=nbytes,
                 adapter_bytes=adapter_bytes, runs=runs)
         except Exception as e:
-            row(what, f"failed: {str(e)[:300]}", section="sync", model=model, lora_rank=rank)
+            row(what, f"failed: {clip(str(e), 300)}", section="sync", model=model, lora_rank=rank)
         finally:
             for s in (t, g):
                 if s is not None:
