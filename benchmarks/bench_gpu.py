@@ -312,7 +312,7 @@ async def section_train(cfg, eps_from_gen: list, train_gpus: int, ac_settings: t
             try:
                 a = anchor(cfg.model.name, path, budget, tgpus, ac, steps) if with_anchor else None
             except Exception as e:  # e.g. out of memory: a row saying so, the trainer still measured
-                row(f"anchor AC {ac}", f"failed: {str(e)[:300]}", ac=ac)
+                row(f"anchor AC {ac}", f"failed: {clip(str(e), 300)}", ac=ac)
             if a is not None:
                 row(f"anchor: TorchTitan step, compiled model and loss, flex block_causal, bf16, the same packed "
                     f"episodes, AC {ac} (x{world} GPU)",

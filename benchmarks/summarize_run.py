@@ -28,9 +28,9 @@ def summarize(path: str, skip: int = 1, until: int = 0) -> dict:
         raise SystemExit(f"{path}: no step after the first {skip} (and up to step {until or 'the last'}) to average")
     out = {k: statistics.fmean(r.get(k, 0.0) for r in use) for k in KEYS}
     out["overlap"] = (out["gen_s"] + out["ref_s"] + out["train_s"]) / max(out["step_s"], 1e-9)
-    out.update(peak_mem_gb=max(r.get("peak_mem_gb", 0.0) for r in rows), steps=len(rows), measured_steps=len(use), startup_s=rows[0].get("startup_s", 0.0) if rows else 0.0,
-               restarts=sum(rows[-1].get(k, 0) for k in ("restarts_generator", "restarts_reward", "restarts_reference"))
-               if rows else 0)
+    out.update(peak_mem_gb=max(r.get("peak_mem_gb", 0.0) for r in rows), steps=len(rows), measured_steps=len(use),
+               startup_s=rows[0].get("startup_s", 0.0),  # rows is not empty: use is a part of it
+               restarts=sum(rows[-1].get(k, 0) for k in ("restarts_generator", "restarts_reward", "restarts_reference")))
     return out
 
 
