@@ -121,6 +121,22 @@ def test_vllm_model_dir_is_named_after_its_config():
         assert json.load(f)["hidden_size"] == hf_config_dict("qwen3_1_7b")["hidden_size"]
 
 
+def test_sampled_logprobs_read_vllms_flat_container():
+    """The generator asks vLLM for FlatLogprobs (``logprobs=0, flat_logprobs=True``): the sampled
+    token's logprob is the first entry at each position; anything else is refused, not misread."""
+    from types import SimpleNamespace as NS
+
+    from forge_core.actors.vllm_generator import sampled_logprobs
+
+    # 3 positions; the middle one also carries a second-ranked token (as logprobs=1 would)
+    lp = NS(start_indices=[0, 1, 3], token_ids=[7, 9, 4, 2], logprobs=[-0.1, -0.2, -3.0, -0.3])
+    assert sampled_logprobs(NS(token_ids=[7, 9, 2], logprobs=lp)) == [-0.1, -0.2, -0.3]
+    with pytest.raises(RuntimeError, match="sampled token"):
+        sampled_logprobs(NS(token_ids=[7, 4, 2], logprobs=lp))  # the sampled token is not first
+    with pytest.raises(RuntimeError, match="sampled token"):
+        sampled_logprobs(NS(token_ids=[7, 9], logprobs=lp))  # one position too many
+
+
 def test_titan_matches_hf_through_the_state_dict_adapter():
     """HF weights -> TorchTitan (from_hf) give the same response logprobs as transformers
     (right-padded causal rows vs the generator's left-padded layout); to_hf gives back the same

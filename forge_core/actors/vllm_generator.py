@@ -7,7 +7,8 @@
   the registry with ``load_format=dummy``. The weights always come from the trainer (version 0 at
   start-up, then every step), so no checkpoint is read twice and a random-init run needs none.
 - Sampling: ``n = group_size`` completions per prompt, ``logprobs=0`` (the sampled token's
-  logprob), ``logprobs_mode=processed_logprobs`` (the tempered distribution sampled from).
+  logprob) in vLLM's flat container (:func:`sampled_logprobs`), ``logprobs_mode=processed_logprobs``
+  (the tempered distribution sampled from).
 - Weight updates (:meth:`VllmGenerator.update_weights`) never restart the engine: a same-host
   buffer (the trainer's, or the bytes this process's ``WeightReceiver`` staged from another host)
   is opened through CUDA IPC and fed to the model's ``load_weights`` inside the worker(s)
@@ -58,6 +59,48 @@ def vllm_model_dir(model_name: str, max_len: int) -> str:
         f.write(text)
     os.replace(tmp, os.path.join(path, "config.json"))  # atomic: replicas may write it at once
     return path
+
+
+def make_engine(g, model_name: str, max_len: int, *, tp: int = 1, seed: int = 0, sleep_mode: bool = False):
+    """The vLLM engine (``vllm.LLM``) of the ``generator`` config ``g`` for ``model_name``, as every
+    replica runs it: dummy weights (the trainer's come with the first sync), token-id prompts,
+    prefix caching, ``processed_logprobs``, ``g``'s memory share, ``max_num_seqs``, dtype, KV cache
+    dtype and ``quantization`` (``fp8``: vLLM's online FP8 weights). ``max_len`` in tokens.
+
+    Raises:
+        ValueError: ``generator.quantization`` set on a GPU without FP8 tensor cores (names the GPU)."""
+    from vllm import LLM
+
+    quantized = g.get("quantization", "none") != "none"
+    if quantized:
+        import torch
+
+        cc = torch.cuda.get_device_capability(0)
+        if cc < (8, 9):
+            raise ValueError(f"generator.quantization={g.quantization}: {torch.cuda.get_device_name(0)} (compute "
+                             f"capability {cc[0]}.{cc[1]}) has no FP8 tensor cores (8.9 or newer: L4, L40S, H100, "
+                             f"H200, B200); set generator.quantization=none")
+    return LLM(model=vllm_model_dir(model_name, max_len), skip_tokenizer_init=True, load_format="dummy",
+               dtype="bfloat16" if g.dtype == "auto" else g.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
+               max_model_len=max_len, enable_prefix_caching=True, tensor_parallel_size=tp, seed=seed,
+               logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode, max_num_seqs=g.max_num_seqs,
+               kv_cache_dtype=g.kv_cache_dtype, quantization="fp8" if quantized else None)
+
+
+def sampled_logprobs(completion) -> list:
+    """The sampled tokens' logprobs of one vLLM completion: ``[len(completion.token_ids)]`` floats.
+    The request asks ``logprobs=0, flat_logprobs=True``, so ``completion.logprobs`` is vLLM's
+    ``FlatLogprobs`` (a few flat lists per sequence, where the default container holds a dict and a
+    ``Logprob`` object per token that Python's garbage collector walks again and again while the
+    engine decodes); vLLM's ``LogprobsProcessor`` puts the sampled token first at each position.
+
+    Raises:
+        RuntimeError: the container does not hold the sampled token first at every position."""
+    lp, ids = completion.logprobs, completion.token_ids
+    first = lp.start_indices
+    if len(first) != len(ids) or any(lp.token_ids[i] != t for i, t in zip(first, ids)):
+        raise RuntimeError("vLLM returned logprobs that do not start with the sampled token at each position")
+    return [lp.logprobs[i] for i in first]
 
 
 def hf_views_of_vllm(params: dict, layout: list, hf: dict, tp: int = 1) -> list:
@@ -245,8 +288,6 @@ class VllmGenerator(Actor):
         home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")  # where Triton's own default cache lies
         os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
         setup_process(max(threads, 4), seed)
-        from vllm import LLM
-
         from forge_core.models import ModelConfig, hf_config_dict, load_tokenizer
 
         self.hf = hf_config_dict(self.model_name)
@@ -257,20 +298,7 @@ class VllmGenerator(Actor):
         t0 = time.perf_counter()
         self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
         self.quantized = g.get("quantization", "none") != "none"
-        if self.quantized:
-            import torch
-
-            cc = torch.cuda.get_device_capability(0)
-            if cc < (8, 9):
-                raise ValueError(f"generator.quantization={g.quantization}: {torch.cuda.get_device_name(0)} (compute "
-                                 f"capability {cc[0]}.{cc[1]}) has no FP8 tensor cores (8.9 or newer: L4, L40S, H100, "
-                                 f"H200, B200); set generator.quantization=none")
-        self.llm = LLM(model=vllm_model_dir(self.model_name, self.max_len), skip_tokenizer_init=True,
-                       load_format="dummy", dtype=self.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
-                       max_model_len=self.max_len, enable_prefix_caching=True, tensor_parallel_size=self.tp,
-                       seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps,
-                       max_num_seqs=g.max_num_seqs, kv_cache_dtype=g.kv_cache_dtype,
-                       quantization="fp8" if self.quantized else None)
+        self.llm = make_engine(g, self.model_name, self.max_len, tp=self.tp, seed=seed, sleep_mode=self.sleeps)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
         self.awake = {"weights", "kv_cache"}
@@ -310,8 +338,8 @@ class VllmGenerator(Actor):
         from vllm import SamplingParams
 
         return SamplingParams(n=s["n"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_tokens"],
-                              logprobs=0, stop_token_ids=[] if ignore_eos else [self.eos], ignore_eos=ignore_eos,
-                              detokenize=False, seed=seed)
+                              logprobs=0, flat_logprobs=True, stop_token_ids=[] if ignore_eos else [self.eos],
+                              ignore_eos=ignore_eos, detokenize=False, seed=seed)
 
     def _generate(self, prompts: list[list[int]], sp) -> list:
         from vllm.inputs import TokensPrompt
@@ -351,7 +379,7 @@ class VllmGenerator(Actor):
                 eps.append(Episode(prompt_id=p.id if p else str(i), group=i, target=p.answer if p else "",
                                    example=p.row if p else {},
                                    prompt_ids=prompts[i], response_ids=ids, text=text, policy_version=self.version,
-                                   behaviour_logprobs=[pos[t].logprob for pos, t in zip(c.logprobs, ids)],
+                                   behaviour_logprobs=sampled_logprobs(c),
                                    truncated=c.finish_reason == "length"))
         return eps
 
