@@ -194,10 +194,10 @@ def vllm_generate(cfg: Any, llm: Any, tok: Any, texts: list[str], max_tokens: in
 
     res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in vllm_prompts(cfg, tok, texts)],
                        vllm_sampling(cfg, tok, max_tokens), use_tqdm=progress)
-    out = []
+    out, vocab = [], len(tok)  # once: len() of a HF tokenizer counts its added tokens each call
     for o in res:
         for c in o.outputs:
             r = list(c.token_ids)
             out.append({"response_ids": r, "truncated": c.finish_reason == "length",
-                        "text": tok.decode([t for t in r if t < len(tok)], skip_special_tokens=True)})
+                        "text": tok.decode([t for t in r if t < vocab], skip_special_tokens=True)})
     return out

@@ -370,12 +370,12 @@ class VllmGenerator(Actor):
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": wake_s, "sleep_s": sleep_s}
 
     def _episodes(self, outs: list, prompts: list, problems: Optional[list] = None) -> list[Episode]:
-        eps = []
+        eps, vocab = [], len(self.tok)  # once: len() of a HF tokenizer counts its added tokens each call
         for i, o in enumerate(outs):
             p = problems[i] if problems else None
             for c in o.outputs:
                 ids = list(c.token_ids)
-                text = self.tok.decode([t for t in ids if t < len(self.tok)], skip_special_tokens=True) if p else ""
+                text = self.tok.decode([t for t in ids if t < vocab], skip_special_tokens=True) if p else ""
                 eps.append(Episode(prompt_id=p.id if p else str(i), group=i, target=p.answer if p else "",
                                    example=p.row if p else {},
                                    prompt_ids=prompts[i], response_ids=ids, text=text, policy_version=self.version,
