@@ -162,7 +162,7 @@ def main() -> int:
         conds.append(("flat", "burn"))
     conds.append(("flat", "qos"))
     rows, spy = [], None
-    print(f"| condition | s | tok/s | process CPU s | GC pause s | full GCs |\n|---|---|---|---|---|---|", flush=True)
+    print("| condition | s | tok/s | process CPU s | GC pause s | full GCs |\n|---|---|---|---|---|---|", flush=True)
     for _ in range(a.repeat):
         for kind, extra in conds:
             with contextlib.ExitStack() as st:
