@@ -110,7 +110,10 @@ class GcClock:
 
 
 def host_info() -> dict:
-    """CPU model, logical cores, cpufreq governor and cpuidle driver/governor (``""`` where absent)."""
+    """The CPU (:func:`benchmarks.bench_cpu.cpu_description`), its cpufreq governor and cpuidle
+    driver/governor (``""`` where absent)."""
+    from benchmarks.bench_cpu import cpu_description
+
     def read(path: str) -> str:
         try:
             with open(path) as f:
@@ -118,10 +121,8 @@ def host_info() -> dict:
         except OSError:
             return ""
 
-    model = next((ln.split(":", 1)[1].strip() for ln in read("/proc/cpuinfo").splitlines()
-                  if ln.startswith("model name")), "")
     base = "/sys/devices/system/cpu"
-    return dict(cpu=model, cores=os.cpu_count(), governor=read(f"{base}/cpu0/cpufreq/scaling_governor"),
+    return dict(cpu=cpu_description(), governor=read(f"{base}/cpu0/cpufreq/scaling_governor"),
                 cpuidle_driver=read(f"{base}/cpuidle/current_driver"),
                 cpuidle_governor=read(f"{base}/cpuidle/current_governor_ro") or read(f"{base}/cpuidle/current_governor"))
 
