@@ -290,7 +290,7 @@ class Controller:
         """Write ``final/`` (the policy in HF safetensors, without optimizer state, and the tokenizer's
         files) and ``reward.png``. Raises ActorFailed when the trainer's save fails, OSError on a write."""
         final = os.path.join(self.out_dir, "final")
-        await call("trainer", self.svc.trainer.save, final, False)
+        await call("trainer", self.svc.trainer.save, final, False, self.cfg.checkpoint.final_dtype)
         for name, data in self.tokenizer_files.items():
             with open(os.path.join(final, name), "wb") as f:
                 f.write(data)

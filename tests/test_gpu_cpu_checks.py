@@ -40,6 +40,8 @@ def test_gpu_config_validation():
     assert load_config("smollm2_135m", ["loss=dapo", "loss.rollout_correction=mis"]).loss.rollout_correction == "mis"
     with pytest.raises(ConfigError, match="trainer.mps_client_priority=2"):
         load_config("qwen3_1_7b", ["trainer.mps_client_priority=2"])
+    with pytest.raises(ConfigError, match="checkpoint.final_dtype='float16'"):
+        load_config("smollm2_135m", ["checkpoint.final_dtype=float16"])
     awake = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "generator.sleep_level=0",  # overlap on one GPU
                                        "generator.gpu_memory_utilization=0.3"])
     plan = plan_layout(awake)

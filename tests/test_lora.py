@@ -404,6 +404,25 @@ def test_final_adapter_loads_with_peft_and_equals_the_merged_model(tmp_path):
     assert sorted(os.listdir(tmp_path / "only")) == ["adapter", "trainer.json"]
 
 
+def test_final_merged_model_in_bfloat16(tmp_path):
+    """``checkpoint.final_dtype=bfloat16``: ``final/``'s merged weights are the float32 ones rounded to
+    bf16 (half the bytes) and ``config.json`` says so; a checkpoint (with optimizer state) refuses it."""
+    from safetensors.torch import load_file
+
+    t, _ = _trainer("trainer.lora.rank=4")
+    _randomise_B(t.model, std=0.05)
+    f32, b16 = tmp_path / "f32", tmp_path / "b16"
+    _call(t, "save", str(f32), False)
+    _call(t, "save", str(b16), False, "bfloat16")
+    want, got = load_file(f32 / "model.safetensors"), load_file(b16 / "model.safetensors")
+    assert want.keys() == got.keys() and all(v.dtype == torch.bfloat16 for v in got.values())
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert json.loads((b16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (b16 / "model.safetensors").stat().st_size < 0.55 * (f32 / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match="float32 master weights"):
+        _call(t, "save", str(tmp_path / "ck"), True, "bfloat16")
+
+
 def test_bad_lora_input_is_named():
     """rank < 0 or not an integer, an unknown target (the message lists those that exist), LoRA with
     TP and a reference placed apart from the trainer: each fails naming the key."""

@@ -425,8 +425,9 @@ class Trainer(Actor):
         return out if self.rank == 0 else {}
 
     @endpoint
-    async def save(self, path: str, optimizer: bool = True) -> None:
-        """HF safetensors (``model.safetensors`` + ``config.json``, fp32, written by rank 0), the
+    async def save(self, path: str, optimizer: bool = True, dtype: str = "float32") -> None:
+        """HF safetensors (``model.safetensors`` + ``config.json``, in ``dtype``: ``float32`` or, for
+        ``final/`` only, ``bfloat16`` (``checkpoint.final_dtype``), written by rank 0), the
         optimizer and RNG state per rank (``optimizer.rank<r>.pt``) and ``trainer.json`` (version).
 
         With LoRA (``trainer.lora.rank`` > 0): a checkpoint (``optimizer``) holds the adapters
@@ -435,14 +436,17 @@ class Trainer(Actor):
         base weights come from the model's source again); ``final/`` (not ``optimizer``) holds the
         adapter in PEFT's format in ``adapter/`` (:func:`forge_core.lora.save_peft`) and, with
         ``trainer.lora.save_merged``, the merged model as above."""
+        if optimizer and dtype != "float32":
+            raise ValueError(f"a checkpoint holds the float32 master weights (exact resume), not {dtype}")
         lora_on = bool(self.lora.rank)
         os.makedirs(path, exist_ok=True)
         if not lora_on or (not optimizer and self.lora.save_merged):
-            sd = {k: v.cpu().contiguous() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
+            dt = getattr(torch, dtype)
+            sd = {k: v.to(dt).cpu().contiguous() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
             if self.rank == 0:
                 save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
                 with open(os.path.join(path, "config.json"), "w") as f:
-                    json.dump(dict(hf_config_dict(self.model_name), torch_dtype="float32"), f, indent=1)
+                    json.dump(dict(hf_config_dict(self.model_name), torch_dtype=dtype), f, indent=1)
             del sd
         info = {"version": self.version, "world": self.world}
         if lora_on:  # every rank gathers (collectives), rank 0 writes
