@@ -165,8 +165,8 @@ class CheckpointConfig:
     """``every``: steps between checkpoints, and one at the last step (0: none; ``final/`` still holds
     the policy, without optimizer state, so a requeued or resumed run starts over); ``keep``: how many to keep.
     ``final_dtype``: the dtype of ``final/``'s weights (the full model, or LoRA's merged one),
-    ``float32`` (the trainer's master weights, exact) or ``bfloat16`` (half the bytes: 16 GB instead
-    of 32 GB for an 8B model, what serving engines load). Checkpoints always hold float32."""
+    ``float32`` (the trainer's master weights, exact) or ``bfloat16`` (half the bytes, the dtype
+    serving engines load). Checkpoints always hold float32."""
 
     every: int = 0
     keep: int = 2
@@ -286,7 +286,8 @@ def _check(cfg: DictConfig, where: str) -> None:
                               f"environment only, never through its config (saved with the run)")
     dtypes = ("bfloat16", "float32", "auto")
     choices = {"generator.backend": ("hf", "vllm"), "device": ("cpu", "cuda"), "trainer.compute_dtype": dtypes,
-               "generator.dtype": dtypes, "checkpoint.final_dtype": ("float32", "bfloat16"), "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
+               "generator.dtype": dtypes, "reward.mode": ("strict", "flexible"), "model.init": ("pretrained", "random"),
+               "checkpoint.final_dtype": ("float32", "bfloat16"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
                "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
                "data.source": SOURCES,

@@ -435,7 +435,10 @@ class Trainer(Actor):
         with ``trainer.json`` naming the LoRA settings and the base model (what a resume must match; the
         base weights come from the model's source again); ``final/`` (not ``optimizer``) holds the
         adapter in PEFT's format in ``adapter/`` (:func:`forge_core.lora.save_peft`) and, with
-        ``trainer.lora.save_merged``, the merged model as above."""
+        ``trainer.lora.save_merged``, the merged model as above.
+
+        Raises:
+            ValueError: ``dtype`` other than ``float32`` with ``optimizer`` (a checkpoint resumes exactly)."""
         if optimizer and dtype != "float32":
             raise ValueError(f"a checkpoint holds the float32 master weights (exact resume), not {dtype}")
         lora_on = bool(self.lora.rank)
