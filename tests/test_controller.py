@@ -83,7 +83,7 @@ def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> 
     async def nothing(*_):
         return None
 
-    async def save(path, with_optimizer):
+    async def save(path, with_optimizer, dtype="float32"):
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "version"), "w") as f:
             f.write(str(version[0]))
