@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from forge_core import SECRETS
 from forge_core.data import SOURCES, DataConfig
 from forge_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from forge_core.environment import TOOL_FORMATS, EnvConfig, EnvError, load_env_class
 from forge_core.lora import LoRAConfig, validate as validate_lora
 from forge_core.losses import LOSS_CONFIGS, LossConfig, validate_loss
 from forge_core.models import ModelConfig
@@ -248,6 +249,7 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     device: str = "cpu"
     steps: int = 20
     prompts_per_step: int = 8
@@ -290,7 +292,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                "checkpoint.final_dtype": ("float32", "bfloat16"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
                "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
-               "data.source": SOURCES,
+               "data.source": SOURCES, "env.tool_format": TOOL_FORMATS,
                "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",),
                "generator.quantization": ("none", "fp8") if cfg.generator.backend == "vllm" else ("none",)}
     for key, allowed in choices.items():
@@ -303,12 +305,13 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "trainer.logprob_chunk", "generator.max_prompt_tokens", "generator.temperature", "checkpoint.keep",
                 "fault.restart_window_s", "eval.samples", "eval.batch_size", "trainer.max_grad_norm",
                 "trainer.tp", "layout.nodes", "fault.startup_timeout_s", "layout.generator.replicas",
-                "layout.generator.tp")
+                "layout.generator.tp", "env.max_turns", "env.tool_timeout_s", "env.max_tool_result_chars",
+                "env.python_memory_mb", "env.python_max_processes")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
                     "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.trainer.gpus",
                     "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host",
-                    "eval.every", "eval.temperature")
+                    "eval.every", "eval.temperature", "env.max_turn_tokens")
     fractions = ("generator.top_p", "generator.gpu_memory_utilization", "eval.top_p")
     for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                            (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):
@@ -329,6 +332,7 @@ def _check(cfg: DictConfig, where: str) -> None:
         load_reward_fn(cfg.reward)
     except RewardError as e:
         raise ConfigError(f"{where}: {e}") from None
+    _check_env(cfg, where)
     e = cfg.eval
     if e.max_response_tokens is not None and e.max_response_tokens <= 0:
         raise ConfigError(f"{where}: eval.max_response_tokens must be > 0 (or null: the rollouts'), got "
@@ -380,17 +384,43 @@ def _check(cfg: DictConfig, where: str) -> None:
                           f"cross hosts; use auto, nccl or rdma")
 
 
+def _check_env(cfg: DictConfig, where: str) -> None:
+    """``env.*``: the class ``env.fn`` names loads, its built-in tools exist, and the ``python`` tool's
+    sandbox (bubblewrap) starts on this node; the multi-turn rollout needs the ``hf`` or ``vllm``
+    generator and a policy loss (not ``sft``)."""
+    if not cfg.env.fn:
+        return
+    try:
+        load_env_class(cfg.env.fn)
+    except EnvError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    from forge_core.environment import BUILTIN_TOOLS
+    if bad := [t for t in cfg.env.tools if t not in BUILTIN_TOOLS]:
+        raise ConfigError(f"{where}: env.tools={list(cfg.env.tools)}: {bad} not among the built-in tools "
+                          f"{sorted(BUILTIN_TOOLS)} (a recipe's own tools go in its environment class's TOOLS)")
+    if "python" in cfg.env.tools:
+        from forge_core.sandbox import SandboxUnavailable, check_sandbox
+        try:
+            check_sandbox()
+        except SandboxUnavailable as e:
+            raise ConfigError(f"{where}: env.tools names python, whose sandbox cannot run on this node: {e}") from None
+    if cfg.loss.name == "sft":
+        raise ConfigError(f"{where}: env.fn={cfg.env.fn!r} with loss=sft: SFT trains on the data's answers, not on "
+                          f"episodes; unset env.fn")
+
+
 def _resolve_paths(cfg: DictConfig, d: str) -> None:
     """Make the recipe's own files absolute: ``data.train``/``data.test`` of a ``file`` source and the
-    ``.py`` file of ``reward.fn``, when relative, are relative to the recipe folder ``d`` (a copied
+    ``.py`` files of ``reward.fn`` and ``env.fn``, when relative, are relative to the recipe folder ``d`` (a copied
     folder carries them)."""
     if cfg.data.source == "file":
         for k in ("train", "test"):
             if cfg.data[k] and not os.path.isabs(os.path.expanduser(cfg.data[k])):
                 cfg.data[k] = os.path.join(d, cfg.data[k])
-    path, sep, name = cfg.reward.fn.rpartition(":")
-    if sep and path.endswith(".py") and not os.path.isabs(os.path.expanduser(path)):
-        cfg.reward.fn = f"{os.path.join(d, path)}:{name}"
+    for key in ("reward", "env"):
+        path, sep, name = cfg[key].fn.rpartition(":")
+        if sep and path.endswith(".py") and not os.path.isabs(os.path.expanduser(path)):
+            cfg[key].fn = f"{os.path.join(d, path)}:{name}"
 
 
 def _did_you_mean(key: str) -> str:

@@ -65,6 +65,7 @@ from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
 from forge_core.rewards import load_reward_fn, reward_components
+from forge_core.rollout import check_env
 from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, clip, eval_max_tokens,
                                  spawn_services)
 from forge_core.weight_sync import choose_transport
@@ -719,13 +720,15 @@ def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
     """The run's training problems and its held-out evaluation subset (empty when ``eval.every`` is 0
     and ``eval.at_start`` false), checked before anything starts or is written: both splits load
     through the field mapping, one batch's worth of distinct prompts exists, every training example has
-    an SFT target when ``loss=sft`` (:func:`forge_core.data.sft_target`), and the reward function
-    answers one training example (its target as the response) with a finite float or a dict of them.
+    an SFT target when ``loss=sft`` (:func:`forge_core.data.sft_target`), the reward function
+    answers one training example (its target as the response) with a finite float or a dict of them,
+    and with ``env.fn`` its environment takes one reset and one step on that example.
 
     Raises:
         DataError: a split that does not load (file, field, row: the message names them), or
             ``prompts_per_step`` beyond the training rows.
         RewardError: ``reward.fn`` cannot be loaded, raises, or returns something else (names it).
+        EnvError: ``env.fn`` cannot start an episode from the first training row or step it (names both).
     """
     train = load_split(cfg.data, "train")
     if len(train) < cfg.prompts_per_step:
@@ -739,6 +742,8 @@ def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
     p = train[0]
     reward_components(load_reward_fn(cfg.reward), cfg.reward.fn, p.answer, {**p.row, "target": p.answer},
                       f"example {p.id} (its target as the response, a check before the run)")
+    if cfg.env.fn:
+        check_env(OmegaConf.to_container(cfg.env), p, cfg.data.system_prompt)
     return train, held
 
 

@@ -1,4 +1,6 @@
-"""The unit of RL data: one prompt, one sampled response, its reward, logprobs and policy version."""
+"""The unit of RL data: one prompt, one sampled response (or, in a multi-turn episode, every turn
+after the prompt: the model's turns and the environment's tool messages), its reward, logprobs and
+policy version."""
 
 from __future__ import annotations
 
@@ -19,9 +21,18 @@ class Episode:
         target: the reference answer (the data's ``answer_field``; GSM8K: the final number).
         example: the data row the prompt came from (what a recipe's reward function reads).
         prompt_ids: prompt tokens (unpadded), ``[P_i]``.
-        response_ids: response tokens up to and including EOS (unpadded), ``[R_i]``.
-        behaviour_logprobs: the generator's logprobs of ``response_ids``, ``[R_i]``.
-        text: the decoded response.
+        response_ids: response tokens up to and including EOS (unpadded), ``[R_i]``; in a multi-turn
+            episode every token after the first prompt, in order: each model turn as sampled and the
+            template and tool-message tokens between turns (never re-tokenised:
+            :mod:`forge_core.rollout`).
+        behaviour_logprobs: the generator's logprobs of ``response_ids``, ``[R_i]`` (0.0 where
+            ``loss_mask`` is 0: tokens the policy did not sample).
+        loss_mask: ``[R_i]`` 0/1, 1 on tokens the policy sampled (the loss and KL see only these);
+            None: every response token (single-turn).
+        text: the decoded response (multi-turn: the last model turn's text, what ``reward.fn`` reads).
+        turns, tool_calls, tool_errors: model turns, tool calls made, and those that failed (a raised,
+            timed-out or over-long tool, a malformed or unknown call); ``tool_s``: seconds in tools.
+        env_reward: the environment's rewards summed over the episode's steps (None: no environment).
         policy_version: the generator's weight version that sampled it.
         replica: the generator replica that sampled it.
         truncated: hit the response-token budget without EOS.
@@ -48,6 +59,16 @@ class Episode:
     example: dict = field(default_factory=dict)
     ref_logprobs: Optional[list[float]] = None
     advantage: float = 0.0
+    loss_mask: Optional[list[int]] = None
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    env_reward: Optional[float] = None
+
+    def model_tokens(self) -> int:
+        """Tokens of ``response_ids`` the policy sampled (all of them without ``loss_mask``)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -62,7 +83,8 @@ class Batch:
         input_ids: ``[B, P + R]`` int64.
         attention_mask: ``[B, P + R]`` int64, 1 on real tokens.
         prompt_len: ``P``.
-        response_mask: ``[B, R]`` float32, 1 on response tokens.
+        response_mask: ``[B, R]`` float32, 1 on response tokens the policy sampled (an episode's
+            ``loss_mask``; 0 on tool and template tokens of a multi-turn episode and on padding).
         behaviour_logprobs, ref_logprobs: ``[B, R]`` float32 (ref is None if absent).
         advantages: ``[B]`` float32.
     """
@@ -100,7 +122,8 @@ def collate(episodes: list[Episode], pad_id: int, pad_to: int = 32) -> Batch:
         if r:
             ids[i, P:P + r] = torch.tensor(e.response_ids)
             att[i, P:P + r] = 1
-            rmask[i, :r] = 1
+            mask = getattr(e, "loss_mask", None)  # (episode-like objects without one: single-turn)
+            rmask[i, :r] = 1 if mask is None else torch.tensor(mask, dtype=torch.float32)
             beh[i, :r] = torch.tensor(e.behaviour_logprobs)
             if ref is not None:
                 ref[i, :r] = torch.tensor(e.ref_logprobs)

@@ -91,9 +91,14 @@ def batch_stats(episodes: list[Episode], step: Optional[int] = None, prefix: str
     ``step``, the off-policy staleness. ``entropy``: the mean over response tokens of ``-log pi(y_t)``
     under the sampling policy (the behaviour logprobs): a Monte-Carlo estimate of the per-token entropy
     of the tempered distribution sampled from (``E_{y~pi}[-log pi(y)] = H(pi)``), cheap and exact in
-    expectation; it falls as the policy collapses onto few continuations. Keys get ``prefix``."""
+    expectation; it falls as the policy collapses onto few continuations (tokens the policy sampled
+    only). Multi-turn episodes (an environment's, with a ``loss_mask``) add ``turns_mean``,
+    ``tool_calls_mean`` (per episode), ``tool_error_rate`` (failed calls over calls, 0 without calls),
+    ``tool_s`` (seconds in tools, summed over the batch) and ``masked_frac`` (response tokens the loss
+    does not see: tool and template tokens). Keys get ``prefix``."""
     rewards, lens = [e.reward for e in episodes], [len(e.response_ids) for e in episodes]
-    lps = [lp for e in episodes for lp in e.behaviour_logprobs]
+    masks = [getattr(e, "loss_mask", None) or [1] * len(e.response_ids) for e in episodes]
+    lps = [lp for e, mask in zip(episodes, masks) for lp, m in zip(e.behaviour_logprobs, mask) if m]
     comps = sorted({k for e in episodes for k in e.components})
     out = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
            **{f"reward/{k}": statistics.fmean(e.components.get(k, 0.0) for e in episodes) for k in comps},
@@ -102,6 +107,13 @@ def batch_stats(episodes: list[Episode], step: Optional[int] = None, prefix: str
            "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
            "truncated_frac": statistics.fmean(e.truncated for e in episodes),
            "entropy": -statistics.fmean(lps) if lps else 0.0}
+    if any(getattr(e, "loss_mask", None) is not None for e in episodes):
+        calls = sum(e.tool_calls for e in episodes)
+        out.update(turns_mean=statistics.fmean(e.turns for e in episodes),
+                   tool_calls_mean=calls / len(episodes),
+                   tool_error_rate=sum(e.tool_errors for e in episodes) / calls if calls else 0.0,
+                   tool_s=sum(e.tool_s for e in episodes),
+                   masked_frac=1.0 - sum(e.model_tokens() for e in episodes) / max(sum(lens), 1))
     if step is not None:
         stale = [step - e.policy_version for e in episodes]
         out.update(staleness_mean=statistics.fmean(stale), staleness_max=max(stale))

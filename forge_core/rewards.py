@@ -81,7 +81,7 @@ class RewardConfig:
     Attributes:
         fn: the reward function. A built-in, ``gsm8k`` (the final number, :func:`gsm8k_components`)
             or ``math`` (a LaTeX/boxed answer checked with the ``math-verify`` library,
-            :func:`math_components`); or a recipe's own, ``reward.py:score`` (a ``.py`` file, relative
+            :func:`math_components`), or ``none`` (0: an environment's rewards alone, ``env.fn``); or a recipe's own, ``reward.py:score`` (a ``.py`` file, relative
             to the recipe folder so that a copied folder carries it, or absolute, and a function in
             it) or ``package.module:function``. It is called as ``fn(response: str, example: dict)``
             (``example``: the data row's fields plus ``target``, the mapped answer) and returns a float
@@ -158,7 +158,13 @@ def math_components(response: str, example: dict, cfg: RewardConfig) -> dict[str
     return {"correct": cfg.correct * ok, "format": cfg.format_weight * bool(_BOXED_RE.search(response))}
 
 
-BUILTINS = {"gsm8k": gsm8k_components, "math": math_components}
+def no_reward(response: str, example: dict, cfg: Optional[RewardConfig] = None) -> float:
+    """``reward.fn: none``: 0 for every response; an environment's own rewards (``env`` component)
+    are then the whole reward."""
+    return 0.0
+
+
+BUILTINS = {"gsm8k": gsm8k_components, "math": math_components, "none": no_reward}
 
 
 class RewardError(ValueError):

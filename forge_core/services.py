@@ -236,7 +236,8 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
               **({"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {"cores_dir": cores_dir()}))
     if role == "generator":
         kw.update(generator=dict(_section(cfg, "generator"), dtype=dtype or cfg.generator.dtype),
-                  system_prompt=cfg.data.system_prompt, replica=name, stop_after_answer=cfg.reward.fn == "gsm8k")
+                  system_prompt=cfg.data.system_prompt, replica=name, stop_after_answer=cfg.reward.fn == "gsm8k",
+                  env=_section(cfg, "env"))
         if gpu:
             g = cfg.generator
             kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),

@@ -160,7 +160,7 @@ def test_a_recipes_reward_function_from_a_file_and_its_errors(tmp_path):
         load_reward_fn(RewardConfig(fn=f"{tmp_path}/nope.py:score"))
     with pytest.raises(RewardError, match=r"cannot import no_such\.module"):
         load_reward_fn(RewardConfig(fn="no_such.module:fn"))
-    with pytest.raises(RewardError, match=r"expected a built-in \['gsm8k', 'math'\]"):
+    with pytest.raises(RewardError, match=r"expected a built-in \['gsm8k', 'math', 'none'\]"):
         load_reward_fn(RewardConfig(fn="gsm9k"))
 
 

@@ -20,6 +20,7 @@ from forge_core.actors.process import CoreShare, resolve_dtype, setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
+from forge_core.rollout import Sampled, resolve_tool_format, rollout_episodes
 from forge_core.models import hf_config_dict, load_model, load_tokenizer, tokenizer_files
 from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
@@ -102,6 +103,43 @@ def hf_generate(model, tok, prompts: list[str], n: int, max_new_tokens: int, max
     return results
 
 
+@torch.no_grad()
+def hf_sample(model, tok, prompts: list[list[int]], budgets: list[int], temperature: float = 1.0, top_p: float = 1.0,
+              greedy: bool = False, every16: Optional[Any] = None) -> list[Sampled]:
+    """One model turn for each of ``prompts`` (token ids, unpadded) with transformers' ``generate``:
+    up to ``budgets[i]`` new tokens each, ending at EOS (kept). Returns a
+    :class:`~forge_core.rollout.Sampled` per prompt: ids ``[T_i]``, logprobs ``[T_i]`` (of logits /
+    temperature, the distribution sampled from, float32) and whether it stopped at EOS. The caller
+    seeds torch's generator. ``every16`` is called every 16 decode steps (the actor's thread pool)."""
+    from transformers import StoppingCriteriaList
+
+    B, P = len(prompts), max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids, mask = torch.full((B, P), pad, dtype=torch.long), torch.zeros((B, P), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as generate expects for decoder-only models
+        ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+
+    def tick(input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
+        if every16 is not None and (input_ids.shape[1] - P) % 16 == 0:
+            every16()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), output_logits=True,
+                         return_dict_in_generate=True, eos_token_id=tok.eos_token_id, pad_token_id=pad,
+                         stopping_criteria=StoppingCriteriaList([tick]), **sampling)
+    seqs = out.sequences[:, P:]
+    lps = torch.stack([torch.log_softmax(l.float() / (1.0 if greedy else temperature), -1)
+                       .gather(-1, seqs[:, i:i + 1]).squeeze(-1) for i, l in enumerate(out.logits)], dim=1)
+    turns = []
+    for j in range(B):
+        row = seqs[j, :budgets[j]].tolist()
+        eos = tok.eos_token_id in row
+        end = row.index(tok.eos_token_id) + 1 if eos else len(row)
+        turns.append(Sampled(row[:end], lps[j, :end].tolist(), eos))
+    return turns
+
+
 def sampling_of(g: Any, sampling: Optional[dict] = None) -> dict:
     """The sampling settings of a generate call: the rollout's (``generator`` section ``g``: group size,
     temperature, top_p, max response tokens) as ``{"n", "temperature", "top_p", "max_tokens"}``, with
@@ -161,10 +199,13 @@ class Generator(Actor):
         cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.process.CoreShare` directory.
         stop_after_answer: end a sample after a finished ``#### N`` line (the ``gsm8k`` reward reads
             nothing beyond it; the tokens after it would only cost time).
+        env: the ``env`` section (:class:`forge_core.environment.EnvConfig`): with ``env.fn`` set,
+            episodes are multi-turn (:func:`forge_core.rollout.rollout_episodes`).
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
-                 replica: str = "generator", cores_dir: str = "", stop_after_answer: bool = False):
+                 replica: str = "generator", cores_dir: str = "", stop_after_answer: bool = False,
+                 env: Optional[dict] = None):
         from omegaconf import OmegaConf
 
         from forge_core.models import ModelConfig
@@ -179,6 +220,7 @@ class Generator(Actor):
         self.model = load_model(mc, dtype=self.dtype)
         self.flat, self.layout = flatten_parameters(self.model)
         self.version = 0
+        self.env = dict(env, tool_format=resolve_tool_format(env["tool_format"], self.tok)) if env and env["fn"] else None
 
     @endpoint
     async def generate(self, problems: list[Problem], seed: int,
@@ -192,6 +234,18 @@ class Generator(Actor):
         """
         s = sampling_of(self.g, sampling)
         t0 = time.perf_counter()
+        if self.env:
+            greedy = s["temperature"] == 0
+            with self.cores:
+                torch.manual_seed(seed)
+                eps = rollout_episodes(problems, s["n"], tok=self.tok, env_cfg=self.env, system_prompt=self.system_prompt,
+                                       max_prompt_tokens=self.g.max_prompt_tokens, max_response_tokens=s["max_tokens"],
+                                       version=self.version, sample=lambda prompts, budgets: hf_sample(
+                                           self.model, self.tok, prompts, budgets, s["temperature"] or 1.0, s["top_p"],
+                                           greedy, every16=self.cores.refresh))
+            dt = time.perf_counter() - t0
+            ntok = sum(e.model_tokens() for e in eps)
+            return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt}
         texts = [chat_prompt(self.tok, p, self.system_prompt) for p in problems]
         with self.cores:
             outs = hf_generate(self.model, self.tok, texts, s["n"], s["max_tokens"], self.g.max_prompt_tokens,

@@ -12,7 +12,8 @@ from forge_core.rewards import RewardConfig, RewardError, is_correct, load_rewar
 
 class RewardActor(Actor):
     """Fills ``reward``, ``components``, ``correct`` and ``formatted`` of each episode with
-    ``reward.fn`` (:func:`forge_core.rewards.load_reward_fn`).
+    ``reward.fn`` (:func:`forge_core.rewards.load_reward_fn`) on its (last) response, plus an ``env``
+    component in a multi-turn episode: the rewards its environment gave.
 
     Raises:
         RewardError: ``reward.fn`` cannot be loaded (names it).
@@ -32,6 +33,8 @@ class RewardActor(Actor):
             for i, e in enumerate(episodes):
                 comps = reward_components(self.fn, self.cfg.fn, e.text, {**e.example, "target": e.target},
                                           f"example {e.prompt_id} (response {i} of the batch)")
+                if e.env_reward is not None:  # a multi-turn episode: the environment's rewards, summed
+                    comps["env"] = e.env_reward
                 e.reward, e.correct = total(comps), is_correct(comps)
                 e.formatted = comps.get("format", 0.0) > 0
                 e.components = {k: v for k, v in comps.items() if k}

@@ -265,11 +265,14 @@ class VllmGenerator(Actor):
             ``generator``); held-out evaluation may generate longer responses than rollouts.
         stop_after_answer: accepted for the CPU generator's interface; vLLM runs without a
             detokenizer here, so samples end at EOS or the token budget only.
+        env: the ``env`` section: with ``env.fn`` set, episodes are multi-turn
+            (:func:`forge_core.rollout.rollout_episodes`; every turn batches the episodes still going).
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
                  replica: str = "generator", gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0,
-                 bucket_mb: int = 1024, max_model_len: int = 0, stop_after_answer: bool = False):
+                 bucket_mb: int = 1024, max_model_len: int = 0, stop_after_answer: bool = False,
+                 env: Optional[dict] = None):
         from omegaconf import OmegaConf
 
         from forge_core.actors.process import setup_process
@@ -293,6 +296,8 @@ class VllmGenerator(Actor):
         self.hf = hf_config_dict(self.model_name)
         self.tok = load_tokenizer(ModelConfig(**model))
         self.eos = self.tok.eos_token_id
+        from forge_core.rollout import resolve_tool_format
+        self.env = dict(env, tool_format=resolve_tool_format(env["tool_format"], self.tok)) if env and env["fn"] else None
         self.colocated, self.sleeps = colocated, colocated and g.sleep_level > 0
         self.max_len = max(max_model_len, g.max_prompt_tokens + g.max_response_tokens)
         t0 = time.perf_counter()
@@ -360,6 +365,12 @@ class VllmGenerator(Actor):
         async with self.lock:
             wake_s = self._wake(["weights", "kv_cache"])
             t0 = time.perf_counter()
+            if self.env:
+                eps = self._multi_turn(problems, sampling_of(self.g, sampling), seed if sampling else None)
+                dt, sleep_s = time.perf_counter() - t0, self._sleep()
+                ntok = sum(e.model_tokens() for e in eps)
+                return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": wake_s,
+                             "sleep_s": sleep_s}
             prompts = self.prompt_ids(problems)
             outs = self._generate(prompts, self._sampling(sampling_of(self.g, sampling),
                                                           seed=seed if sampling else None))
@@ -368,6 +379,26 @@ class VllmGenerator(Actor):
         eps = self._episodes(outs, prompts, problems)
         ntok = sum(len(e.response_ids) for e in eps)
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": wake_s, "sleep_s": sleep_s}
+
+    def _multi_turn(self, problems: list[Problem], s: dict, seed: Optional[int]) -> list[Episode]:
+        """Multi-turn episodes (:func:`forge_core.rollout.rollout_episodes`): each turn is one
+        ``LLM.generate`` over the episodes still going, one request each with its own token budget
+        (prefix caching keeps the shared prefixes' KV). ``seed`` (evaluation) seeds request ``i`` of
+        turn ``t`` with ``seed + 100_003 * t + i``, so the k samples of a question differ."""
+        from forge_core.rollout import Sampled, rollout_episodes
+
+        turn = [0]
+
+        def sample(prompts: list[list[int]], budgets: list[int]) -> list[Sampled]:
+            sps = [self._sampling(dict(s, n=1, max_tokens=b), seed=None if seed is None else seed + 100_003 * turn[0] + i)
+                   for i, b in enumerate(budgets)]
+            turn[0] += 1
+            return [Sampled(list(o.outputs[0].token_ids), sampled_logprobs(o.outputs[0]),
+                            o.outputs[0].finish_reason == "stop") for o in self._generate(prompts, sps)]
+
+        return rollout_episodes(problems, s["n"], tok=self.tok, env_cfg=self.env, system_prompt=self.system_prompt,
+                                max_prompt_tokens=self.g.max_prompt_tokens, max_response_tokens=s["max_tokens"],
+                                version=self.version, sample=sample)
 
     def _episodes(self, outs: list, prompts: list, problems: Optional[list] = None) -> list[Episode]:
         eps, vocab = [], len(self.tok)  # once: len() of a HF tokenizer counts its added tokens each call
