@@ -42,12 +42,12 @@ class EchoEnv(BaseTextEnv):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("recipe", nargs="?", default="smollm2_135m_gpu1")
+    p.add_argument("recipe", nargs="?", default="smollm2_135m_gpu1")  # its data's held-out split: the prompts
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--tokens", type=int, default=384, help="model tokens per episode, over all its turns")
     p.add_argument("overrides", nargs="*")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     from forge_core.config import load_config
     from forge_core.data import load_split
     from forge_core.models import ModelConfig, load_tokenizer
-    from forge_core.rollout import Sampled, first_messages, rollout_episodes
+    from forge_core.rollout import ChatBridge, Sampled, first_messages, rollout_episodes
 
     cfg = load_config(a.recipe, a.overrides)
     tok = load_tokenizer(ModelConfig(**cfg.model))
@@ -66,9 +66,8 @@ def main(argv=None) -> None:
     llm = make_engine(cfg.generator, cfg.model.name, max_len, seed=cfg.seed)
     sp = lambda n: SamplingParams(n=1, max_tokens=n, temperature=cfg.generator.temperature, logprobs=0,  # noqa: E731
                                   flat_logprobs=True, ignore_eos=True, detokenize=False)
-    prompts = [tok.apply_chat_template(first_messages(q, cfg.data.system_prompt), tokenize=True,
-                                       add_generation_prompt=True) for q in problems]
-    prompts = [list(x["input_ids"] if isinstance(x, dict) else x) for x in prompts]
+    bridge = ChatBridge(tok, None)
+    prompts = [bridge.prompt(first_messages(q, cfg.data.system_prompt)) for q in problems]
 
     def single() -> tuple[float, int]:
         t0 = time.perf_counter()

@@ -21,8 +21,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FL
 case ${1:-} in
   start)
     bash benchmarks/gpu.sh setup || exit 3
-    timeout 300 python3 -m benchmarks.bench_multiturn smollm2_135m_gpu1 --prompts 256 --turns 3 --tokens 384 \
-      generator.gpu_memory_utilization=0.5 2>&1 | tee "$OUT/bench_multiturn.log" | grep "^|\|tok/s\|Error"
+    timeout 300 python3 -m benchmarks.bench_multiturn smollm2_135m_tool --prompts 200 --turns 3 --tokens 384 \
+      $GPU generator.gpu_memory_utilization=0.5 generator.max_response_tokens=512 2>&1 | tee "$OUT/bench_multiturn.log" | grep "^|\|tok/s\|Error"
     mkdir -p $R
     for run in "tool_s0 " "tool_s1 seed=1 data.seed=1" "notool_s0 env.fn=" "notool_s1 env.fn= seed=1 data.seed=1"; do
       set -- $run; name=$1; shift

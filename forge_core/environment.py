@@ -145,14 +145,15 @@ MAX_EXPRESSION_CHARS, MAX_DIGITS = 200, 100
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression, e.g. ``"(12 + 3) * 4.5"`` or ``"2 ** 10"``.
+    """Evaluate an arithmetic expression such as (12 + 3) * 4.5 and return the result.
+
+    Walks Python's AST of ``expression`` and allows only number literals, the operators below and
+    parentheses: no names, calls, attributes or ``eval``. Powers are capped (exponent at most 1,000,
+    results at most 100 digits) so that no call runs long or fills memory. The tool spec the model
+    sees is this docstring's first line and the argument below (:func:`tool_spec`).
 
     Args:
         expression: numbers with + - * / // % ** and parentheses.
-
-    Walks Python's AST of ``expression`` and allows only number literals, the operators above and
-    parentheses: no names, calls, attributes or ``eval``. Powers are capped (exponent at most 1,000,
-    results at most 100 digits) so that no call runs long or fills memory.
 
     Raises:
         ValueError: anything else in the expression, a division by zero, or a result too large.
@@ -192,12 +193,12 @@ def calculator(expression: str) -> str:
 def python(code: str) -> str:
     """Run a Python program and return what it prints (stdout).
 
-    Args:
-        code: the program's source; print the values you want back.
-
     Runs in a bubblewrap sandbox (:func:`forge_core.sandbox.run_python`): no network, no access to the
     run's files or environment, its own temporary directory, and wall-time, memory, process-count
     and output limits (set by :class:`ToolEnv` from ``env.*``).
+
+    Args:
+        code: the program's source; print the values you want back.
 
     Raises:
         RuntimeError: the program failed, timed out or was killed (the reason, one line).
@@ -216,10 +217,12 @@ BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "pytho
 
 def tool_spec(fn: Callable) -> dict:
     """The OpenAI function spec of ``fn`` (``{"type": "function", "function": {"name", "description",
-    "parameters"}}``) from its type hints and Google-style docstring (``transformers.utils.get_json_schema``)."""
+    "parameters"}}``) from its type hints and Google-style docstring (``transformers.utils.get_json_schema``):
+    the docstring's first paragraph is the description, its ``Args:`` the parameters' descriptions."""
     from transformers.utils import get_json_schema
 
     spec = get_json_schema(fn)
+    spec["function"].pop("return", None)  # not part of the OpenAI spec
     spec["function"]["description"] = spec["function"]["description"].split("\n\n")[0]
     return spec
 
