@@ -376,7 +376,7 @@ def test_setup_check_versions_gpus_and_recipe(capsys):
            "FORGE_ARGS": "", "FORGE_RECIPE": "smollm2_135m"}  # several shipped recipes have this shape
     assert sn.check(False, env) == 0, capsys.readouterr().err
     assert "recipes/smollm2_135m" in capsys.readouterr().out
-    for args, says in (("steps=abc", "Value 'abc' of type 'str' could not be converted"), ("'steps=5", "No closing")):
+    for args, says in (("steps=abc", "steps='abc': expected an integer"), ("'steps=5", "No closing")):
         assert sn.check(False, {**env, "FORGE_RECIPE": "smollm2_135m", "FORGE_ARGS": args}) == 1  # before run:
         assert f"FORGE_ARGS={args!r}: " in (err := capsys.readouterr().err) and says in err, err
     # ... and a GPU recipe's names every missing piece (no vLLM, CPU torch, no GPUs).
