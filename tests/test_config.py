@@ -206,6 +206,16 @@ def test_check_prints_a_gpu_recipe_on_cpu_and_says_why_it_cannot_run_here():
     assert r.stderr.startswith("note: the config is valid, but it cannot run here") and "needs device=cuda" in r.stderr
 
 
+def test_check_names_a_data_error_without_the_config(tmp_path):
+    """A field the rows lack: the error alone (file:line, the fields the rows have), not after a dump of
+    the resolved config."""
+    r = _cli("check", "smollm2_135m_arith", "data.prompt_field=qq")
+    assert r.returncode == 2 and r.stdout == "", r.stdout[:500]
+    assert r.stderr.strip().splitlines() == [
+        f"error: {ROOT}/recipes/smollm2_135m_arith/data/train.jsonl:1: no field 'qq' (data.prompt_field); the row "
+        f"has ['answer', 'op', 'question']"], r.stderr
+
+
 def test_eval_takes_ckpt_before_or_after_the_overrides(tmp_path):
     for args in (["--ckpt", str(tmp_path / "nope"), "eval.num_questions=2"],
                  ["eval.num_questions=2", "--ckpt", str(tmp_path / "nope")]):
