@@ -51,7 +51,7 @@ def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> 
     buf, version, loaded = ReplayBuffer(cfg.buffer_capacity, cfg.max_staleness), [0], [0]
     ctl.trained, ctl.generated, ctl.buffer = [], [], buf
 
-    async def generate(problems, seed):
+    async def generate(problems, seed, sampling=None):
         ctl.generated.append(len(problems))
         eps = [Episode(prompt_id=p.id, group=0, target=p.answer, prompt_ids=[1], response_ids=[2], policy_version=loaded[0],
                        behaviour_logprobs=[-1.0], text="") for p in problems for _ in range(cfg.generator.group_size)]
@@ -254,6 +254,27 @@ def test_a_batch_the_buffer_evicted_is_made_again(tmp_path):
     asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
     assert len(ctl.trained) == 3 and evicted[0] >= ctl.B
     assert len(ctl.generated) == 3 + evicted[0] // ctl.B
+
+
+def test_the_progress_bar_shows_the_last_evaluation(tmp_path, capsys):
+    """The last step's evaluation finishes after that step's line of the bar (in the background, after
+    the weight sync): the bar ends with its pass@1, not the one of the evaluation before it."""
+    ctl = _controller(tmp_path, ["steps=2", "eval.every=1", "eval.num_questions=4"])
+    ctl.progress, ctl.held_out = True, load_gsm8k("test", os.environ["GSM8K_DIR"])[:4]
+    score = ctl.svc.reward.score.fn
+
+    async def version_2_is_right(eps):
+        eps, error = await score(eps)
+        for e in eps:
+            e.correct = e.policy_version == 2
+        return eps, error
+
+    ctl.svc.reward.score.fn = version_2_is_right
+    asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    assert [(r["step"], r["eval/pass@1"]) for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/pass@1" in r] \
+        == [(1, 0.0), (2, 1.0)]
+    bar = capsys.readouterr().err.rsplit("\r", 1)[-1]  # what the bar shows at the end
+    assert "2/2" in bar and "eval=1.000" in bar, bar
 
 
 def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
