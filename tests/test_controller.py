@@ -292,6 +292,22 @@ def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
         MetricsLog(str(p), start_step=3)  # a resume refuses a damaged file rather than drop rows from it
 
 
+def test_wandb_writes_inside_the_run_directory(tmp_path, monkeypatch):
+    """With wandb on (offline), its ``wandb/`` folder is in the run directory, not in the directory the
+    run was started from (the repository root, for make run)."""
+    pytest.importorskip("wandb")
+    for k in ("WANDB_DIR", "WANDB_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    log = MetricsLog(str(tmp_path / "run" / "metrics.jsonl"), wandb_cfg=SimpleNamespace(project="forge-test",
+                                                                                       mode="offline"), run_name="r")
+    log.log({"step": 1, "loss": 0.5})
+    log.close()
+    assert (tmp_path / "run" / "wandb").is_dir() and not os.listdir(tmp_path / "cwd")
+
+
 def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):
     """The rollout loop with timed stand-ins for the actors (S=1, one replica at version 0): batch
     0's reference forward runs while batch 1 generates, batches reach the buffer in order, and a
