@@ -424,16 +424,52 @@ def _resolve_paths(cfg: DictConfig, d: str) -> None:
 
 
 def _did_you_mean(key: str) -> str:
-    """`` (did you mean 'trainer.lr'?)``: the schema's closest dotted key to ``key`` (any loss's), or ''."""
+    """`` (did you mean 'trainer.lr'?)``: the schema's closest dotted key to ``key`` (any loss's), found
+    one level at a time, so that a misspelt section is corrected first (``traner.lr``: ``trainer.lr``;
+    ``traner``: the section ``trainer``); else the closest whole key; else ''."""
     keys = [k for k, _ in _leaves(OmegaConf.to_container(OmegaConf.structured(Config)))]
     keys += [f"loss.{f.name}" for c in LOSS_CONFIGS.values() for f in dataclasses.fields(c)]
-    near = difflib.get_close_matches(key, keys, n=1)
-    if near == [key]:  # a schema key all the same: another loss's parameter, or `defaults`
+    if key in keys:  # a schema key all the same: another loss's parameter, or `defaults`
         field_ = key.removeprefix("loss.")
         owners = [n for n, c in LOSS_CONFIGS.items() if field_ in {f.name for f in dataclasses.fields(c)}]
         return (f" (a parameter of loss={' or '.join(owners)}: select it too, e.g. loss={owners[0]} {key}=...)"
                 if owners else " (it is set in a recipe's config.yaml, not by an override)")
-    return f" (did you mean {near[0]!r}?)" if near else ""
+    below: dict[str, set] = {}  # a section ("" for the top) -> the names in it
+    for k in keys:
+        parts = k.split(".")
+        for i in range(len(parts)):
+            below.setdefault(".".join(parts[:i]), set()).add(parts[i])
+    found = ""
+    for part in key.split("."):
+        near = difflib.get_close_matches(part, sorted(below.get(found, ())), n=1)
+        if not near:  # no close name at this level (or a key below a value): the closest whole key
+            near = difflib.get_close_matches(key, keys, n=1)
+            return f" (did you mean {near[0]!r}?)" if near else ""
+        found = f"{found}.{near[0]}" if found else near[0]
+    return f" (did you mean {'the section ' if found in below else ''}{found!r}?)"
+
+
+# OmegaConf's complaint about a value's type -> what the key takes
+_EXPECTED = (("converted to Float", "a float"), ("converted to Integer", "an integer"),
+             ("is not a valid bool", "true or false"), ("is not a ListConfig", "a list, e.g. [1, 2]"),
+             ("to string", "a string"), ("is not Optional", "a value (not null)"),
+             ("is not a subclass of", "a section: set its keys one by one, {key}.<name>=..."))
+
+
+def _wrong_type(error: BaseException) -> Optional[str]:
+    """``trainer.lr='fast': expected a float``: one line for a value of the wrong type (an OmegaConf
+    ValidationError naming its key, in ``error``'s chain of causes), or None when it is another error."""
+    from omegaconf.errors import ValidationError
+
+    e: Optional[BaseException] = error
+    while e is not None and not (isinstance(e, ValidationError) and getattr(e, "full_key", None)):
+        e = e.__cause__ or e.__context__
+    if e is None:
+        return None
+    first = str(getattr(e, "msg", e)).strip().splitlines()[0]
+    value = "null" if getattr(e, "value", None) is None else repr(e.value)
+    what = next((f"expected {w.format(key=e.full_key)}" for pattern, w in _EXPECTED if pattern in first), first)
+    return f"{e.full_key}={value}: {what}"
 
 
 def recipe_dir(recipe: str) -> str:
@@ -489,6 +525,9 @@ def load_config(recipe: str, overrides: Optional[List[str]] = None) -> DictConfi
             raise ConfigError(f"{f'override {o!r}' if o else where}: unknown key {k!r}{_did_you_mean(k)}") from None
         if "subclass of LossConfig" in msg:
             msg = "a recipe picks its loss in its defaults list, e.g. defaults: [base, {override loss: dapo}, _self_]"
+        elif wrong := _wrong_type(e):  # set by an override (Hydra merges them after the file), or the file
+            raise ConfigError(f"override {wrong}" if "merging override" in msg else
+                              f"{os.path.join(d, 'config.yaml')}: {wrong}") from None
         raise ConfigError(f"{where}: {msg}") from None
     _check(cfg, f"{where} + overrides" if overrides else where)
     OmegaConf.set_readonly(cfg, True)

@@ -150,6 +150,7 @@ class Controller:
                    disable=not self.progress)
         rollouts = asyncio.create_task(self.rollout_loop())
         row: dict = {}
+        shown: dict = {}  # the last step's figures on the progress bar
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
@@ -180,13 +181,14 @@ class Controller:
                 mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
                 if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
                     await self.save_checkpoint()
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                                loss=f"{row['loss']:.4f}", sync=f"{row['weight_sync_exposed_s']:.2f}s",
-                                **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"} if self.last_eval else {}))
+                shown = {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.2f}",
+                         "loss": f"{row['loss']:.4f}", "sync": f"{row['weight_sync_exposed_s']:.2f}s"}
+                self._show(bar, shown)
                 bar.update(1)
             rollouts.cancel()
             if self.sync_task is not None:
                 await self.sync_task
+                self._show(bar, shown)  # the last evaluation finishes after the last step
             await self.save_final()
         finally:
             rollouts.cancel()
@@ -213,6 +215,7 @@ class Controller:
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"SFT {cfg.recipe}", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
         row: dict = {}
+        shown: dict = {}
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
@@ -238,11 +241,12 @@ class Controller:
                 mlog.log(row)
                 if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
                     await self.save_checkpoint()
-                bar.set_postfix(loss=f"{row['loss']:.4f}", **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"}
-                                                              if self.last_eval else {}))
+                shown = {"loss": f"{row['loss']:.4f}"}
+                self._show(bar, shown)
                 bar.update(1)
             if self.sync_task is not None:
                 await self.sync_task
+                self._show(bar, shown)
             await self.save_final()
         finally:
             if self.sync_task is not None and self.sync_task.done() and not self.sync_task.cancelled():
@@ -250,6 +254,11 @@ class Controller:
             bar.close()
             mlog.close()
         return row
+
+    def _show(self, bar: tqdm, shown: dict) -> None:
+        """Put ``shown`` (the last step's figures) on the progress bar, and the pass@1 of the last
+        held-out evaluation to finish (``eval=``)."""
+        bar.set_postfix(shown, **({"eval": f"{self.last_eval['eval/pass@1']:.3f}"} if self.last_eval else {}))
 
     async def start(self) -> None:
         """Load the initial weights everywhere (resuming from the newest checkpoint when

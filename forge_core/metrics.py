@@ -126,12 +126,14 @@ class MetricsLog:
     kept and appended to (resume), after dropping lines for steps ``>= start_step`` so a resumed run
     has no duplicates. ``wandb_cfg``: ``{"project", "mode"}``, mode ``disabled`` (default) skips
     wandb entirely; ``run_name``: the wandb run name / id (resumes the same wandb run); ``config``:
-    the resolved config, stored with the wandb run."""
+    the resolved config, stored with the wandb run. wandb's own files go in ``wandb/`` beside ``path``
+    (the run directory), not in the working directory."""
 
     def __init__(self, path: str, start_step: int = 0, wandb_cfg: Optional[Any] = None,
                  run_name: str = "", *, config: Optional[dict] = None):
         self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        run_dir = os.path.dirname(os.path.abspath(path))
+        os.makedirs(run_dir, exist_ok=True)
         if os.path.exists(path):
             keep = [l for l in read_jsonl(path) if l.get("step", -1) < start_step]
             tmp = path + ".tmp"
@@ -143,7 +145,7 @@ class MetricsLog:
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
             import wandb
             self.wandb = wandb.init(project=wandb_cfg.project, mode=wandb_cfg.mode, name=run_name, id=run_name or None,
-                                    resume="allow", config=config)
+                                    resume="allow", config=config, dir=run_dir)
 
     def log(self, row: dict) -> None:
         """Write one step's metrics (a flat dict of numbers; must contain ``step``)."""

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from launch.common import port_open
 
@@ -50,7 +50,7 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
             reasons.append(f"recipe {cfg.recipe} needs device=cuda with {need} GPU(s) per node "
                            f"(layout: {cfg.layout.nodes} node(s)); this machine has {have}")
     spec = spec_of(cfg.model.name)
-    hub = functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
+    hub = _hub_probe()
     random_ok = cfg.model.init == "random" and spec.arch
     if (spec.source == "hf" or cfg.model.path) and (spec.config is None or cfg.model.path) and not random_ok and not ckpt:
         path = cfg.model.path or spec.path
@@ -68,7 +68,28 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
                 reasons.append(f"model weights {path} come from the HF hub, which is not reachable from here: "
                                f"set model.path=/local/copy, or model.init=random for same-shape random weights "
                                f"(the config still needs the hub or a local copy)")
-    d = cfg.data
+    reasons += data_unreadable(cfg, splits, hub)
+    top = os.path.abspath(cfg.output_dir)  # its first part that exists must be a writable directory
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
+        reasons.append(f"output_dir={cfg.output_dir}: {top} is {'not writable' if os.path.isdir(top) else 'a file'}")
+    if reasons:
+        raise PreflightError("cannot run here:\n  - " + "\n  - ".join(reasons))
+
+
+def _hub_probe() -> Callable[[], bool]:
+    """Whether the HF hub is reachable from here (never with ``HF_HUB_OFFLINE=1``), probed when first asked."""
+    return functools.cache(lambda: os.environ.get("HF_HUB_OFFLINE") != "1" and port_open("huggingface.co", 443, 3.0))
+
+
+def data_unreadable(cfg: Any, splits: Sequence[str], hub: Optional[Callable[[], bool]] = None) -> list[str]:
+    """Why the data's ``splits`` (``train``, ``test``) cannot be read from this machine: a ``file``
+    source's missing file; a ``hub`` source, or GSM8K without ``GSM8K_DIR``/``data.dir``, with the HF
+    hub out of reach (``hub()``, default: a probe of huggingface.co); a ``data.dir`` that is not a
+    directory or lacks ``<split>.jsonl``. Empty when every split can be read."""
+    hub = hub or _hub_probe()
+    reasons, d = [], cfg.data
     for key in splits:
         name = d[key]
         if d.source == "file":
@@ -85,13 +106,33 @@ def preflight(cfg: Any, command: str = "run", ckpt: Optional[str] = None) -> Non
             break
         elif not os.path.isfile(os.path.join(d.dir, f"{name}.jsonl")):
             reasons.append(f"data.dir={d.dir} (GSM8K_DIR) has no {name}.jsonl")
-    top = os.path.abspath(cfg.output_dir)  # its first part that exists must be a writable directory
-    while not os.path.exists(top):
-        top = os.path.dirname(top)
-    if not (os.path.isdir(top) and os.access(top, os.W_OK)):
-        reasons.append(f"output_dir={cfg.output_dir}: {top} is {'not writable' if os.path.isdir(top) else 'a file'}")
-    if reasons:
-        raise PreflightError("cannot run here:\n  - " + "\n  - ".join(reasons))
+    return reasons
+
+
+def check_task(cfg: Any) -> str:
+    """The check of a composed config's data and reward that ``make check`` runs, and with it every
+    launcher before it starts or submits anything: ``make sky`` and ``make slurm`` (dry runs too) on
+    the submitting machine, :mod:`launch.sky_node` on every node, :func:`launch.node.run_node` on node 0
+    (``make run`` runs the same :func:`forge_core.controller.load_task` at its start). The data loads
+    through the field mapping and the reward function answers one example (``load_task``). GSM8K or a
+    hub dataset that this machine cannot read (:func:`data_unreadable`: no hub, no ``GSM8K_DIR``) is
+    not loaded here; the recipe's own files always are. Returns the line to print: what was loaded, or
+    why nothing was.
+
+    Raises:
+        DataError: a split that does not load (the message names the file and line, and the fields the
+            row has), or fewer training rows than ``prompts_per_step``.
+        RewardError: the reward function fails on the example or returns something else (names it).
+    """
+    from forge_core.controller import load_task
+
+    splits = ["train"] + (["test"] if cfg.eval.every > 0 or cfg.eval.at_start else [])
+    if cfg.data.source != "file" and (why := data_unreadable(cfg, splits)):
+        return f"data: not loaded here ({'; '.join(why)}); the machine that runs the recipe loads it first"
+    train, held = load_task(cfg)
+    return (f"data: {len(train)} training prompts ({cfg.data.train})"
+            + (f", {len(held)} held-out questions ({cfg.data.test})" if held else "")
+            + f"; reward.fn={cfg.reward.fn} scored {train[0].id}")
 
 
 def unfinished_run(path: str) -> Optional[str]:
@@ -135,29 +176,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--engine is eval's")
 
     from forge_core.config import ConfigError, load_config
-    from forge_core.controller import Controller, RunFailed, load_task
+    from forge_core.controller import Controller, RunFailed
     from forge_core.data import DataError
     from forge_core.models import ModelSourceError
     from forge_core.rewards import RewardError
 
     try:
         cfg = load_config(a.recipe, a.overrides)
-        if a.command == "check":  # the config, and whether this machine could run it
+        if a.command == "check":  # the config, its data and reward, and whether this machine could run it
             from omegaconf import OmegaConf
 
+            data = check_task(cfg)  # a bad field or reward: its error alone, before the config's dump
             print(OmegaConf.to_yaml(cfg))
             try:
                 preflight(cfg)
-                note = None
             except PreflightError as e:  # this machine's limits (no GPU, no hub): the config itself is valid
-                note = f"note: the config is valid, but it {e}"
-            if note is None or cfg.data.source == "file":  # the recipe's own files are read wherever it runs
-                train, held = load_task(cfg)  # the data through the field mapping, the reward on one example
-                print(f"data: {len(train)} training prompts ({cfg.data.train})"
-                      + (f", {len(held)} held-out questions ({cfg.data.test})" if held else "")
-                      + f"; reward.fn={cfg.reward.fn} scored {train[0].id}", file=sys.stderr)
-            if note:
-                print(note, file=sys.stderr)
+                print(f"note: the config is valid, but it {e}", file=sys.stderr)
+            print(data, file=sys.stderr)
             return 0
         preflight(cfg, a.command, a.ckpt)
     except (ConfigError, PreflightError, DataError, RewardError) as e:

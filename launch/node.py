@@ -33,10 +33,12 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
     """This node's part of a multi-node run; raises instead of returning an exit code.
 
     Node rank > 0 runs its worker until the controller shuts the mesh down and returns ``None``.
-    Node rank 0 checks the config against the allocation, starts its own worker, attaches to all
-    (bounded by ``attach_timeout_s``) and runs the controller; returns the last step's metrics.
+    Node rank 0 checks the config against the allocation, this machine (:func:`launch.local.preflight`),
+    the data and the reward (:func:`launch.local.check_task`, as ``make check``), starts its own worker,
+    attaches to all (bounded by ``attach_timeout_s``) and runs the controller; returns the last step's metrics.
     Raises:
         ConfigError / PreflightError: bad recipe, or ``layout.nodes`` != the allocation's nodes.
+        DataError / RewardError: bad data (names the file, line and the row's fields) or a failing reward.
         bootstrap.WorkerUnreachable: a worker was not up within the timeout (names its address).
         bootstrap.PortInUse: this node's worker port is taken (names address and port).
     """
@@ -51,13 +53,14 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
         return None
 
     from forge_core.config import ConfigError, load_config
-    from launch.local import preflight, run_dir
+    from launch.local import check_task, preflight, run_dir
 
     cfg = load_config(recipe, list(overrides))
     if cfg.layout.nodes != cluster.num_nodes:
         raise ConfigError(f"layout.nodes={cfg.layout.nodes} but the allocation has {cluster.num_nodes} node(s) "
                           f"({', '.join(cluster.hosts)})")
     preflight(cfg)
+    print(f"[node] {check_task(cfg)}", flush=True)
     worker = bootstrap.start_worker_background(cluster)
     try:
         out = run_dir(cfg)
@@ -69,8 +72,8 @@ def run_node(source: str, recipe: str, overrides: Sequence[str], attach_timeout_
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run this node's part; returns the exit code (2: config/pre-flight error, 3: workers unreachable
-    or this node's worker port taken)."""
+    """Run this node's part; returns the exit code (2: config, pre-flight, data or reward error; 3:
+    workers unreachable or this node's worker port taken)."""
     p = argparse.ArgumentParser(prog="python -m launch.node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", choices=["slurm", "sky"], required=True)
@@ -80,14 +83,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     from forge_core.config import ConfigError
+    from forge_core.data import DataError
+    from forge_core.rewards import RewardError
     from launch.local import PreflightError
 
+    bad_input = (ConfigError, PreflightError, DataError, RewardError)
     try:
         run_node(a.source, a.recipe, a.overrides, a.attach_timeout)
         return 0
-    except (ConfigError, PreflightError, bootstrap.WorkerUnreachable, bootstrap.PortInUse) as e:
+    except (*bad_input, bootstrap.WorkerUnreachable, bootstrap.PortInUse) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (ConfigError, PreflightError)) else 3
+        return 2 if isinstance(e, bad_input) else 3
 
 
 if __name__ == "__main__":

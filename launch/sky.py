@@ -113,16 +113,20 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
     """``make sky``: check locally, then ``sky launch -c CLUSTER TASK --env FORGE_RECIPE=... --secret ...``.
 
     Checks first, before any cloud call, that the config (with ``forge_args``) composes, a gated
-    model has HF_TOKEN, SkyPilot parses the task file and the task asks for the recipe's layout
-    (:func:`layout_mismatch`). Secrets set here go as ``--secret NAME`` (value from this environment;
-    the legacy ``HUGGING_FACE_HUB_TOKEN`` goes as ``HF_TOKEN``, the name the task files declare).
+    model has HF_TOKEN, the data and the reward pass ``make check``'s test
+    (:func:`launch.local.check_task`), SkyPilot parses the task file and the task asks for the
+    recipe's layout (:func:`layout_mismatch`). Secrets set here go as ``--secret NAME`` (value from
+    this environment; the legacy ``HUGGING_FACE_HUB_TOKEN`` goes as ``HF_TOKEN``, the name the task files declare).
     ``bucket``: a derived task file, ``runs/<recipe>/sky-<cluster>.yaml`` (kept), adds the checkpoint
     mount (``FORGE_CKPT_DIR``, mode MOUNT).
     ``dry_run``: print the command and the parsed task (secrets redacted), launch nothing.
     Returns the exit code.
     """
     from forge_core.config import ConfigError, load_config, recipe_dir
+    from forge_core.data import DataError
     from forge_core.models import gated_without_token
+    from forge_core.rewards import RewardError
+    from launch.local import check_task
 
     env = os.environ if env is None else env
     yaml_path = recipe_or_yaml
@@ -139,6 +143,7 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
         cfg = load_config(folder, shlex.split(forge_args))
         if gated := gated_without_token(cfg.model, env):
             raise SkyError(gated)
+        print(check_task(cfg), file=sys.stderr)
         tcfg = task_config(yaml_path, rel, bucket, forge_args)
         secrets = {k: env[k] for k in SECRETS if env.get(k)}
         if legacy := secrets.pop("HUGGING_FACE_HUB_TOKEN", None):  # the task files name HF_TOKEN only
@@ -149,7 +154,7 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
         if os.path.isabs(rel):
             raise SkyError(f"recipe folder {folder} is outside the repository ({ROOT}), which is all the cluster "
                            f"gets (workdir: .): copy the folder under recipes/")
-    except (SkyError, ConfigError) as e:
+    except (SkyError, ConfigError, DataError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # SkyPilot's own validation errors (ValueError, InvalidSkyPilotConfigError, ...)

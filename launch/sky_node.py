@@ -190,7 +190,10 @@ def run(argv: Sequence[str] = (), env: Optional[MutableMapping[str, str]] = None
         return 2
 
     from forge_core.config import ConfigError, load_config
+    from forge_core.data import DataError
     from forge_core.models import gated_without_token
+    from forge_core.rewards import RewardError
+    from launch.local import check_task
 
     try:
         recipe = resolve_recipe(cluster.num_nodes, int(env.get("SKYPILOT_NUM_GPUS_PER_NODE") or 0),
@@ -201,7 +204,8 @@ def run(argv: Sequence[str] = (), env: Optional[MutableMapping[str, str]] = None
         cfg = load_config(recipe, overrides)  # every node: a bad key fails here, on every node
         if gated := gated_without_token(cfg.model, env):
             raise SkyError(gated)
-    except (SkyError, ConfigError) as e:
+        check_task(cfg)  # and bad data or a failing reward (node 0 prints what it loaded: launch.node)
+    except (SkyError, ConfigError, DataError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[sky] node {cluster.node_rank}/{cluster.num_nodes} hosts={','.join(cluster.hosts)} "
@@ -218,10 +222,14 @@ def run(argv: Sequence[str] = (), env: Optional[MutableMapping[str, str]] = None
 
 def check(gpu: bool, env: Optional[Mapping[str, str]] = None) -> int:
     """End of setup: the installed versions are the tested ones, the GPUs are there, and the
-    recipe this task will run can be found (so a mistake fails before the run). Returns 0 or 1."""
+    recipe this task will run can be found, its config composes and its data and reward pass
+    (:func:`launch.local.check_task`), so a mistake fails before the run. Returns 0 or 1."""
     from importlib.metadata import PackageNotFoundError, version
 
     from forge_core.config import load_config
+    from forge_core.data import DataError
+    from forge_core.rewards import RewardError
+    from launch.local import check_task
 
     env = os.environ if env is None else env
     problems = []
@@ -248,9 +256,10 @@ def check(gpu: bool, env: Optional[Mapping[str, str]] = None) -> int:
     try:
         overrides = shlex.split(env.get("FORGE_ARGS", ""))
         r = resolve_recipe(nodes, need, overrides, env)
-        load_config(r, overrides)  # a bad FORGE_ARGS key fails here, before run:
+        cfg = load_config(r, overrides)  # a bad FORGE_ARGS key fails here, before run:
         print(f"[check] recipe         {relpath(r)}", flush=True)
-    except SkyError as e:
+        print(f"[check] {check_task(cfg)}", flush=True)
+    except (SkyError, DataError, RewardError) as e:
         problems.append(str(e))
     except ValueError as e:  # a ConfigError, or FORGE_ARGS with an unclosed quote
         problems.append(f"FORGE_ARGS={env.get('FORGE_ARGS', '')!r}: {e}")

@@ -312,6 +312,7 @@ class JobSpec:
     task: NodeTask
     sbatch: dict  # ``#SBATCH`` options {name: value} (True: a flag), e.g. {"nodes": 2, "requeue": True}
     python: str  # the interpreter every node runs (the profile's ``python``)
+    data: str = ""  # what the data and reward check said (launch.local.check_task): printed
 
 
 def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
@@ -323,9 +324,12 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
         SlurmError: bad profile, unknown partition (when the cluster can be asked), bad NODES, a gated
             model without HF_TOKEN (as ``make run`` and ``make sky``: before SLURM allocates anything),
             a secret's value in the task's arguments.
+        DataError / RewardError: bad data or a failing reward (``make check``'s test,
+            :func:`launch.local.check_task`; the message names the file, the line and the row's fields).
     """
     from forge_core.config import load_config, recipe_dir
     from forge_core.models import gated_without_token
+    from launch.local import check_task
 
     prof, ppath = load_profile(profile_name)
     parts = cluster_partitions() if check_cluster else None
@@ -345,6 +349,7 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
     cfg = load_config(recipe, overrides)  # exactly what node 0 will compose (run_id: the job id)
     if gated := gated_without_token(cfg.model):
         raise SlurmError(gated)
+    data = check_task(cfg)
     folder = os.path.join(run_root, "%j", "slurm")
     n = int(cfg.layout.nodes)
     mem = None if prof.mem_gb is None else (f"{int(prof.mem_gb)}GB" if float(prof.mem_gb).is_integer()
@@ -361,7 +366,7 @@ def build_job(recipe: str, profile_name: str, nodes: Optional[int] = None,
         python = str(ROOT / Path(python).expanduser())  # (an absolute path stays as it is)
     task = NodeTask(recipe_dir(recipe), overrides, prof.attach_timeout_s)
     assert_no_secrets("the job's pickled arguments", repr(task))
-    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, python)
+    return JobSpec(cfg, prof, ppath, n, folder, run_root, task, sbatch, python, data)
 
 
 def node_python_problem(spec: JobSpec) -> Optional[str]:
@@ -562,7 +567,7 @@ def _print_dry_run(spec: JobSpec) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI entry point; returns the exit code (2: bad recipe, profile or partition; 1: SLURM error)."""
+    """CLI entry point; returns the exit code (2: bad recipe, profile, partition, data or reward; 1: SLURM error)."""
     p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -583,10 +588,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
 
     from forge_core.config import ConfigError
+    from forge_core.data import DataError
+    from forge_core.rewards import RewardError
 
     try:
         if a.cmd == "submit":
             spec = build_job(a.recipe, a.cluster, a.nodes, a.overrides + extra, check_cluster=True)
+            print(spec.data, file=sys.stderr)
             if a.dry_run:
                 _print_dry_run(spec)
                 return 0
@@ -608,7 +616,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"job {rec['job_id']}: {show_job(rec['job_id']).get('JobState') or 'unknown (finished?)'}"
                   + "".join(f"\n  {k}: {rec[k]}" for k in ("run_dir", "log_out", "log_err") if k in rec))
         return 0
-    except (ConfigError, SlurmError) as e:
+    except (ConfigError, SlurmError, DataError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

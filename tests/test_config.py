@@ -130,6 +130,41 @@ def test_misspelled_key_in_recipe_file(tmp_path):
             load_config(str(d))
 
 
+def test_misspelt_section_suggests_the_section(tmp_path):
+    """A misspelt section is corrected before the key inside it: ``traner`` is the section ``trainer``
+    (not the key ``trainer.tp``, the closest whole key), in an override and in a recipe file."""
+    for override, says in (("traner.lr=1", "unknown key 'traner.lr' (did you mean 'trainer.lr'?)"),
+                           ("traner=1", "unknown key 'traner' (did you mean the section 'trainer'?)"),
+                           ("layout.generatr.tp=2", "(did you mean 'layout.generator.tp'?)")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config("smollm2_135m", [override])
+    d = tmp_path / "my_exp"
+    shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
+    (d / "config.yaml").write_text((d / "config.yaml").read_text().replace("\ntrainer:", "\ntraner:"))
+    with pytest.raises(ConfigError, match=re.escape(f"{d / 'config.yaml'}: unknown key 'traner' (did you mean the "
+                                                    f"section 'trainer'?)")):
+        load_config(str(d))
+
+
+def test_a_value_of_the_wrong_type_is_one_line_naming_key_value_and_type(tmp_path):
+    """OmegaConf's multi-line complaint becomes one line: the key, the value, what the key takes; from
+    an override or from the recipe file (named)."""
+    for override, says in (("trainer.lr=fast", "override trainer.lr='fast': expected a float"),
+                           ("steps=abc", "override steps='abc': expected an integer"),
+                           ("trainer.compile=maybe", "override trainer.compile='maybe': expected true or false"),
+                           ("trainer.betas=[0.9,x]", "override trainer.betas[1]='x': expected a float")):
+        with pytest.raises(ConfigError) as e:
+            load_config("smollm2_135m", [override])
+        assert str(e.value) == says
+    d = tmp_path / "my_exp"
+    shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
+    (d / "config.yaml").write_text((d / "config.yaml").read_text().replace("\nsteps:", "\nsteps: abc\n_old:")
+                                   .replace("_old:", "#"))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(d), ["trainer.lr=1e-6"])
+    assert str(e.value) == f"{d / 'config.yaml'}: steps='abc': expected an integer"
+
+
 def test_copied_recipe_folder_is_its_own_recipe(tmp_path):
     d = tmp_path / "my_exp"
     shutil.copytree(os.path.join(ROOT, "recipes", "smollm2_135m"), d)
@@ -169,6 +204,16 @@ def test_check_prints_a_gpu_recipe_on_cpu_and_says_why_it_cannot_run_here():
     r = _cli("check", "qwen3_1_7b")
     assert r.returncode == 0 and "name: qwen3_1_7b" in r.stdout and "Traceback" not in r.stderr
     assert r.stderr.startswith("note: the config is valid, but it cannot run here") and "needs device=cuda" in r.stderr
+
+
+def test_check_names_a_data_error_without_the_config(tmp_path):
+    """A field the rows lack: the error alone (file:line, the fields the rows have), not after a dump of
+    the resolved config."""
+    r = _cli("check", "smollm2_135m_arith", "data.prompt_field=qq")
+    assert r.returncode == 2 and r.stdout == "", r.stdout[:500]
+    assert r.stderr.strip().splitlines() == [
+        f"error: {ROOT}/recipes/smollm2_135m_arith/data/train.jsonl:1: no field 'qq' (data.prompt_field); the row "
+        f"has ['answer', 'op', 'question']"], r.stderr
 
 
 def test_eval_takes_ckpt_before_or_after_the_overrides(tmp_path):

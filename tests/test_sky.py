@@ -376,7 +376,7 @@ def test_setup_check_versions_gpus_and_recipe(capsys):
            "FORGE_ARGS": "", "FORGE_RECIPE": "smollm2_135m"}  # several shipped recipes have this shape
     assert sn.check(False, env) == 0, capsys.readouterr().err
     assert "recipes/smollm2_135m" in capsys.readouterr().out
-    for args, says in (("steps=abc", "Value 'abc' of type 'str' could not be converted"), ("'steps=5", "No closing")):
+    for args, says in (("steps=abc", "steps='abc': expected an integer"), ("'steps=5", "No closing")):
         assert sn.check(False, {**env, "FORGE_RECIPE": "smollm2_135m", "FORGE_ARGS": args}) == 1  # before run:
         assert f"FORGE_ARGS={args!r}: " in (err := capsys.readouterr().err) and says in err, err
     # ... and a GPU recipe's names every missing piece (no vLLM, CPU torch, no GPUs).
@@ -385,6 +385,26 @@ def test_setup_check_versions_gpus_and_recipe(capsys):
     err = capsys.readouterr().err
     assert "vllm missing (want 0.26.0)" in err and "torch 2.13" in err and "want 2.11.x" in err
     assert "CUDA GPU(s), the task asks for 3" in err
+
+
+def test_bad_data_is_refused_by_the_dry_run_setup_and_every_node(capsys):
+    """``make sky`` (dry run too), the end of setup: and the run: section of every node check the data
+    and the reward as ``make check`` does: a field the rows lack is named with file:line and the
+    fields they have, before any cloud call and before any node starts its worker."""
+    says = ("recipes/smollm2_135m_arith/data/train.jsonl:1: no field 'qq' (data.prompt_field); the row has "
+            "['answer', 'op', 'question']")
+    assert ls.main(["launch", "smollm2_135m_arith", "--dry-run", "data.prompt_field=qq"]) == 2
+    cap = capsys.readouterr()
+    assert says in cap.err and "sky launch" not in cap.out, cap.err
+    env = {"SKYPILOT_SETUP_NODE_IPS": "10.0.0.1", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "0",
+           "FORGE_RECIPE": "smollm2_135m_arith", "FORGE_ARGS": "data.prompt_field=qq"}
+    assert sn.check(False, env) == 1
+    assert says in capsys.readouterr().err
+    node = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "FORGE_RECIPE": "smollm2_135m_arith", "FORGE_ARGS": "data.prompt_field=qq", "FORGE_CKPT_DIR": ""}
+    assert sn.run([], node) == 2
+    cap = capsys.readouterr()
+    assert says in cap.err and "[sky] node" not in cap.out, cap.out + cap.err
 
 
 @pytest.mark.parametrize("bad,field", [

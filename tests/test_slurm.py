@@ -147,6 +147,26 @@ def test_gated_model_without_token_is_refused_before_submitting(monkeypatch, cap
     assert slurm.build_job("llama3_8b", "example", overrides=[f"output_dir={tmp_path}"]).nodes == 2
 
 
+def test_bad_data_is_refused_before_submitting_and_on_node_0(monkeypatch, capsys, tmp_path):
+    """As ``make check``: a field the rows lack is named with file:line and the fields they have, by a
+    dry run (before the config's dump), by a submission (before sbatch) and by node 0's entry point
+    (before its Monarch worker starts)."""
+    says = ("recipes/smollm2_135m_arith/data/train.jsonl:1: no field 'qq' (data.prompt_field); the row has "
+            "['answer', 'op', 'question']")
+    for dry in (["--dry-run"], []):
+        assert slurm.main(["submit", "smollm2_135m_arith", *dry, "data.prompt_field=qq", f"output_dir={tmp_path}"]) == 2
+        cap = capsys.readouterr()
+        assert says in cap.err and cap.out == "", cap.out[:500] + cap.err
+    from launch import bootstrap, node
+
+    for k, v in {"SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "FORGE_NODE_ADDR": ""}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("SLURM_STEP_NODELIST", raising=False)
+    monkeypatch.setattr(bootstrap, "start_worker_background", lambda cluster: pytest.fail("the worker started"))
+    assert node.main(["--from", "slurm", "smollm2_135m_arith", "data.prompt_field=qq", f"output_dir={tmp_path}"]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_job_parameters_come_from_recipe_and_profile(monkeypatch, tmp_path):
     monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
     monkeypatch.setenv("HF_TOKEN", "hf_x")  # llama3_8b is gated

@@ -96,19 +96,31 @@ def test_sync_routes_explicit_settings(capsys):
 
 # ---- the staged (network) sync while generating ------------------------------------------------
 
+async def _joined(sender, fetch: asyncio.Task, timeout_s: float = 60.0) -> None:
+    """Wait until the receiver whose ``fetch`` is running has joined ``sender``'s group and waits for
+    the sender: the sender's store holds the receiver's two keys (its connection's, its address in the
+    group), the sender's own come only when it broadcasts. Fails when the fetch ends first, or after
+    ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while sender.store.num_keys() < 2:
+        assert not fetch.done(), f"the fetch ended before the receiver joined the group: {fetch.exception()!r}"
+        assert time.monotonic() < deadline, f"the receiver did not join the group within {timeout_s:g} s"
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.slow
 def test_staged_sync_generation_goes_on_during_transfer():
     """The test process plays the trainer (a TorchTitan tiny model's HF-layout weights in a staging
     buffer, a Sender); one CPU generator replica's WeightReceiver fetches over nccl (gloo) while the
-    sender's broadcast is deliberately held back: the replica keeps generating at its old version,
-    the swap happens between generate calls, and the weights are bit-identical after it. Then rdma."""
+    sender's broadcast is held back until the receiver waits in the group (:func:`_joined`): the
+    replica keeps generating at its old version meanwhile, the swap happens between generate calls,
+    and the weights are bit-identical after it. Then rdma."""
     from forge_core import titan
     from forge_core.layout import plan_layout
     from forge_core.services import call, spawn_service
     from forge_core.weight_sync import Sender, StagingBuffer
 
     cfg = load_config("smollm2_135m", TINY + ["weight_sync.bucket_mb=1", "generator.dtype=bfloat16"])  # 1 MiB buckets
-    hold_s = 4.0
 
     async def go():
         plan = plan_layout(cfg)
@@ -127,14 +139,13 @@ def test_staged_sync_generation_goes_on_during_transfer():
 
             t0 = time.perf_counter()
             fetch = asyncio.create_task(call("receiver", g.receiver.fetch, handle, "nccl", 1, timeout_s=120))
+            await _joined(sender, fetch)  # the receiver is in its fetch, waiting for the sender
             gens = []
             for i in range(2):
                 eps, _ = await call("generator", g.generate, gsm8k_batch(2, seed=i), i)
                 gens.append(time.perf_counter() - t0)
                 assert all(e.policy_version == 0 for e in eps)
                 assert not fetch.done(), "the fetch returned before the sender started broadcasting"
-            await asyncio.sleep(max(hold_s - (time.perf_counter() - t0), 0))
-            assert not fetch.done()
             assert await call("generator", g.weights_digest) == old  # nothing swapped yet
             t_start = time.perf_counter() - t0
             sender.start(buf.flat, cfg.weight_sync.bucket_mb << 20)
