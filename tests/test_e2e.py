@@ -190,3 +190,32 @@ def test_loss_is_one_config_key(tmp_path, loss):
     got = rows(tmp_path / loss)
     assert len(got) == 1 and got[0]["loss"] == got[0]["loss"]
     assert f"name: {loss}" in (tmp_path / loss / "config.yaml").read_text()
+
+
+MULTI_TURN = ["env.fn=skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv", "env.max_turns=2", "env.max_turn_tokens=12",
+              "generator.max_response_tokens=80", "reward.fn=none", "checkpoint.every=2", "eval.at_start=true",
+              "eval.num_questions=4", "generator.dtype=float32"]
+
+
+def test_multi_turn_run_trains_masked_episodes_and_resumes_exactly(tmp_path):
+    """A multi-turn run through every actor (an environment written for skyrl-gym, unchanged; the
+    tiny model never answers right, so every episode takes both turns): masked episodes train, the
+    per-step tool metrics and the held-out evaluation go through the environment, and a run stopped
+    after step 2 and resumed trains step 3 on the same batch to the same loss as an uninterrupted one."""
+    rc, out = run(MULTI_TURN + ["steps=3"], "whole", tmp_path)
+    assert rc == 0, out[-3000:]
+    whole = [r for r in rows(tmp_path / "whole") if "loss" in r]
+    assert [r["step"] for r in whole] == [1, 2, 3]
+    for r in whole:
+        assert r["turns_mean"] > 1.5 and 0.2 < r["masked_frac"] < 0.9, r  # the environment's turns are masked
+        assert r["loss"] == r["loss"] and "reward/env" in r and r["tool_calls_mean"] == 0.0
+    (ev,) = [r for r in rows(tmp_path / "whole") if "eval/pass@1" in r]
+    assert ev["eval/turns_mean"] == 2.0 and ev["eval/masked_frac"] > 0.2
+    rc, out = run(MULTI_TURN + ["steps=2"], "cut", tmp_path)
+    assert rc == 0, out[-3000:]
+    rc, out = run(MULTI_TURN + ["steps=3"], "cut", tmp_path)
+    assert rc == 0, out[-3000:]
+    cut = [r for r in rows(tmp_path / "cut") if "loss" in r]
+    assert [r["step"] for r in cut] == [1, 2, 3]
+    for a, b in zip(whole, cut):
+        assert a["batch_hash"] == b["batch_hash"] and a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
