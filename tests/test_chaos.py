@@ -249,6 +249,31 @@ def test_kill_services_at_random_points(tmp_path, run_no):
                         "recover_s": [f["recover_s"]], "wall_s": [f["wall_s"]]})
 
 
+MULTI_TURN = ["env.fn=skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv", "env.max_turns=2", "env.max_turn_tokens=12",
+              "generator.max_response_tokens=80", "reward.fn=none"]
+
+
+def test_generator_killed_in_the_middle_of_a_conversation(tmp_path):
+    """Multi-turn episodes (two turns each: the tiny model never answers right): kill -9 of the
+    generator at two seeded random points while it rolls out a batch's conversations. The respawned
+    replica generates the batch's groups again from their first turn; no step is lost or trained twice
+    (every batch hash differs), and every trained episode has both turns."""
+    rng = random.Random(SEED * 10 + 7)
+    plan = _plan(rng, ["generator", "generator"], first=2, gap=2)
+    steps = plan[-1][0] + 4 + 4 * len(plan)
+    run = Run(tmp_path, "multiturn", [f"steps={steps}", "fault.max_restarts=10", *FAST_FAULTS, *MULTI_TURN])
+    try:
+        injected = _inject(run, plan, {})
+        lost, twice = _check_survivor(run, steps, injected, f"multi-turn ({steps} steps)")
+        rows = run.rows()
+        assert len({r["batch_hash"] for r in rows}) == len(rows) and all(r["turns_mean"] > 1.5 for r in rows)
+    finally:
+        run.kill()
+    RESULTS.append({"fault": "kill -9 generator, multi-turn", "run": run.dir, "survived": True, "lost": lost,
+                    "repeated": twice, "recover_s": [f["recover_s"] for f in injected],
+                    "wall_s": [f["wall_s"] for f in injected]})
+
+
 def test_max_restarts_exhausted_stops_naming_the_actor(tmp_path):
     """Bad input: fault.max_restarts=1 and two kills of the reward: the CLI exits non-zero naming the
     actor and its last error; metrics and checkpoints stay intact; no actor process is left."""
