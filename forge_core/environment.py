@@ -35,20 +35,16 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
-import hashlib
-import importlib
-import importlib.util
 import json
 import math
 import operator
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from forge_core import import_source
 from forge_core.data import DataError
 
 
@@ -316,21 +312,10 @@ def load_env_class(spec: str) -> type:
     if not sep or not where or not name:
         raise EnvError(f"env.fn={spec!r}: expected 'tools', 'file.py:ClassName' or 'package.module:ClassName'")
     try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise EnvError(f"env.fn={spec!r}: no file {where}")
-            mod_name = "forge_env_" + hashlib.sha256(where.encode()).hexdigest()[:12]
-            if (mod := sys.modules.get(mod_name)) is None:
-                loader = importlib.util.spec_from_file_location(mod_name, where)
-                mod = importlib.util.module_from_spec(loader)
-                sys.modules[mod_name] = mod
-                loader.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(where)
-    except EnvError:
-        raise
+        mod = import_source(where, "forge_env_")
+    except FileNotFoundError:
+        raise EnvError(f"env.fn={spec!r}: no file {where}") from None
     except Exception as e:
-        sys.modules.pop("forge_env_" + hashlib.sha256(where.encode()).hexdigest()[:12], None)
         raise EnvError(f"env.fn={spec!r}: cannot import {where}: {type(e).__name__}: {e}") from None
     cls = getattr(mod, name, None)
     if not isinstance(cls, type):

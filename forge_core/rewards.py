@@ -14,17 +14,14 @@ canonicalised so that ``$1,200.00`` and ``1200`` compare equal.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
-import sys
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional
+
+from forge_core import import_source
 
 # A number as models and GSM8K write it: optional sign and currency sign, digits with optional
 # thousands separators, optional decimal part; or a bare decimal like ".5".
@@ -188,19 +185,9 @@ def load_reward_fn(cfg: Any) -> Callable[[str, dict], Any]:
         raise RewardError(f"reward.fn={spec!r}: expected a built-in {sorted(BUILTINS)}, 'file.py:function' or "
                           f"'package.module:function'")
     try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise RewardError(f"reward.fn={spec!r}: no file {where}")
-            mod_name = "forge_reward_" + hashlib.sha256(where.encode()).hexdigest()[:12]
-            if (mod := sys.modules.get(mod_name)) is None:
-                loader = importlib.util.spec_from_file_location(mod_name, where)
-                mod = importlib.util.module_from_spec(loader)
-                loader.loader.exec_module(mod)
-                sys.modules[mod_name] = mod
-        else:
-            mod = importlib.import_module(where)
-    except RewardError:
-        raise
+        mod = import_source(where, "forge_reward_")
+    except FileNotFoundError:
+        raise RewardError(f"reward.fn={spec!r}: no file {where}") from None
     except Exception as e:  # ImportError, a SyntaxError in the file, an error at its import
         raise RewardError(f"reward.fn={spec!r}: cannot import {where}: {type(e).__name__}: {e}") from None
     fn = getattr(mod, name, None)

@@ -163,3 +163,18 @@ def test_the_arithmetic_recipes_data_is_what_its_script_writes(tmp_path):
         return r["op"], min(a, b), max(a, b)
     assert not {key(r) for r in rows["test"]} & {key(r) for r in rows["train"]}
     assert (len(rows["train"]), len(rows["test"])) == (195, 61)
+
+
+def test_the_tool_recipes_data_is_what_its_script_writes(tmp_path):
+    """recipes/smollm2_135m_tool ships data/*.jsonl; make_data.py writes the same bytes (seeded); no
+    held-out (a, b) pair is a training pair, and every answer is the product."""
+    d = os.path.join(ROOT, "recipes", "smollm2_135m_tool")
+    shutil.copy(os.path.join(d, "make_data.py"), tmp_path)
+    subprocess.run([PY, str(tmp_path / "make_data.py")], check=True, capture_output=True)
+    for split in ("train", "test"):
+        with open(os.path.join(d, "data", f"{split}.jsonl")) as a, open(tmp_path / "data" / f"{split}.jsonl") as b:
+            assert a.read() == b.read(), split
+    rows = {s: [json.loads(l) for l in open(os.path.join(d, "data", f"{s}.jsonl"))] for s in ("train", "test")}
+    assert not {(r["a"], r["b"]) for r in rows["test"]} & {(r["a"], r["b"]) for r in rows["train"]}
+    assert all(r["answer"] == str(r["a"] * r["b"]) for rs in rows.values() for r in rs)
+    assert (len(rows["train"]), len(rows["test"])) == (2000, 200)
