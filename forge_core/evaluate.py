@@ -8,7 +8,9 @@ recipe's held-out split (``data.test``), a fixed subset of ``eval.num_questions`
 evaluation during a run is. For the built-in ``gsm8k`` reward it also reports our strict and flexible
 answer extraction and lm-evaluation-harness's ``strict-match`` and ``flexible-extract``
 (:func:`forge_core.rewards.harness_extract`; the prompt here is the recipe's chat prompt, not the
-harness's 5-shot one, so the scoring is comparable, the prompting is the recipe's).
+harness's 5-shot one, so the scoring is comparable, the prompting is the recipe's). A recipe with an
+environment (``env.fn``) is evaluated on multi-turn episodes through it, as during a run, and also
+reports ``turns_mean``, ``tool_calls_mean`` and ``tool_error_rate``.
 """
 
 from __future__ import annotations
@@ -72,17 +74,21 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine
     if engine == "vllm":
         llm = llm or vllm_engine(cfg, ckpt, max_tokens)
         tg = time.perf_counter()
-        outs = vllm_generate(cfg, llm, tok, texts, max_tokens, progress)
+        outs = (_episodes(cfg, tok, problems, max_tokens, _vllm_sampler(cfg, llm, tok)) if cfg.env.fn else
+                vllm_generate(cfg, llm, tok, texts, max_tokens, progress))
     else:
         model = _hf_model(cfg, ckpt, tok)
         tg = time.perf_counter()
-        outs = _hf_generate(cfg, model, tok, texts, max_tokens, progress)
+        outs = (_episodes(cfg, tok, problems, max_tokens, _hf_sampler(cfg, model, tok)) if cfg.env.fn else
+                _hf_generate(cfg, model, tok, texts, max_tokens, progress))
     gen_s = time.perf_counter() - tg
     fn, k = load_reward_fn(cfg.reward), e.samples
     scored = []
     for i, o in enumerate(outs):
         p = problems[i // k]
         scored.append(reward_components(fn, cfg.reward.fn, o["text"], {**p.row, "target": p.answer}, f"example {p.id}"))
+        if "env_reward" in o:  # a multi-turn episode: its environment's rewards, as during a run
+            scored[-1]["env"] = o["env_reward"]
     correct = [is_correct(c) for c in scored]
     per_q = [any(correct[i:i + k]) for i in range(0, len(correct), k)]
     names = sorted({n for c in scored for n in c if n})
@@ -104,9 +110,68 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine
                                                   for o, r in zip(outs, ref)),
             lm_eval_flexible_extract=statistics.fmean(
                 harness_exact_match(harness_extract(o["text"], "flexible-extract"), r) for o, r in zip(outs, ref)))
+    if cfg.env.fn:
+        calls = sum(o["tool_calls"] for o in outs)
+        res.update(turns_mean=statistics.fmean(o["turns"] for o in outs), tool_calls_mean=calls / len(outs),
+                   tool_error_rate=sum(o["tool_errors"] for o in outs) / calls if calls else 0.0)
     ntok = sum(len(o["response_ids"]) for o in outs)
     res.update(gen_s=gen_s, gen_tok_s=ntok / gen_s, seconds=time.perf_counter() - t0)
     return res
+
+
+def _episodes(cfg: Any, tok: Any, problems: list, max_tokens: int, sample: Any) -> list[dict]:
+    """Multi-turn episodes through the recipe's environment (``env.fn``, :func:`forge_core.rollout.rollout_episodes`),
+    ``eval.samples`` per question, ``eval.batch_size`` questions at a time, as dicts: ``response_ids``
+    (every token after the prompt), ``truncated``, ``text`` (the last model turn), ``env_reward``,
+    ``turns``, ``tool_calls``, ``tool_errors``."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from forge_core.rollout import resolve_tool_format, rollout_episodes
+
+    env = dict(OmegaConf.to_container(cfg.env, resolve=True), tool_format=resolve_tool_format(cfg.env.tool_format, tok))
+    out, b = [], cfg.eval.batch_size
+    for i in range(0, len(problems), b):
+        torch.manual_seed(cfg.eval.seed + i)
+        eps = rollout_episodes(problems[i:i + b], cfg.eval.samples, tok=tok, env_cfg=env,
+                               system_prompt=cfg.data.system_prompt, max_prompt_tokens=cfg.generator.max_prompt_tokens,
+                               max_response_tokens=max_tokens, version=0, sample=sample)
+        out += [{"response_ids": e.response_ids, "truncated": e.truncated, "text": e.text, "env_reward": e.env_reward,
+                 "turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors} for e in eps]
+    return out
+
+
+def _hf_sampler(cfg: Any, model: Any, tok: Any) -> Any:
+    """One model turn per prompt with transformers (:func:`forge_core.actors.generator.hf_sample`), the
+    evaluation's temperature (0: greedy) and top_p."""
+    from forge_core.actors.generator import hf_sample
+
+    e = cfg.eval
+    return lambda prompts, budgets: hf_sample(model, tok, prompts, budgets, e.temperature or 1.0, e.top_p,
+                                              greedy=e.temperature == 0)
+
+
+def _vllm_sampler(cfg: Any, llm: Any, tok: Any) -> Any:
+    """One model turn per prompt with vLLM: request ``i`` of each call seeded ``eval.seed + i`` (+ the
+    turn), so the k samples of a question differ and a rerun repeats them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from forge_core.actors.vllm_generator import sampled_logprobs
+    from forge_core.rollout import Sampled
+
+    e, turn = cfg.eval, [0]
+
+    def sample(prompts: list, budgets: list) -> list:
+        sps = [SamplingParams(n=1, temperature=e.temperature, top_p=e.top_p, max_tokens=m, logprobs=0,
+                              flat_logprobs=True, stop_token_ids=[tok.eos_token_id], detokenize=False,
+                              seed=e.seed + 100_003 * turn[0] + i) for i, m in enumerate(budgets)]
+        turn[0] += 1
+        res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], sps, use_tqdm=False)
+        return [Sampled(list(o.outputs[0].token_ids), sampled_logprobs(o.outputs[0]),
+                        o.outputs[0].finish_reason == "stop") for o in res]
+
+    return sample
 
 
 def _sampling(cfg: Any, max_tokens: int) -> dict:

@@ -165,3 +165,17 @@ def test_skyrl_gym_environment_runs_unchanged():
     assert "#### 5" in ep.text and ep.policy_version == 3
     between = tok.decode([t for t, m in zip(ep.response_ids, ep.loss_mask) if not m])
     assert "<|im_start|>user\nPlease provide your step-by-step reasoning" in between  # skyrl's observation
+
+
+def test_make_eval_runs_episodes_through_the_environment():
+    """``make eval`` of a recipe with an environment evaluates multi-turn episodes through it (the
+    base model on two held-out problems) and reports the multi-turn metrics."""
+    import json
+
+    from helpers import cli_here
+
+    r = cli_here("eval", "smollm2_135m_tool", "eval.num_questions=2", "eval.max_response_tokens=40")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout[r.stdout.index("{"):])
+    assert res["questions"] == 2 and res["engine"] == "hf" and "reward/env" in res
+    assert res["turns_mean"] >= 1.0 and "tool_calls_mean" in res and "tool_error_rate" in res
