@@ -25,13 +25,15 @@ With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops altern
 on-policy). Batch k's reward, reference and advantages run while batch k+1 generates (when its
 replicas are eligible), so the reference's forward is off the rollout path. A checkpoint is taken at
 a quiet point (no batch generating or being finished, sync done), so a resumed run sees exactly the
-batch the uninterrupted run would have seen. Spawning and placing the actors is
-:mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`; checkpoint files
-:mod:`forge_core.checkpoint`; the metrics row :func:`forge_core.metrics.step_row`.
+batch the uninterrupted run would have seen. The rollout loop is :mod:`forge_core.rollout_loop` (the
+rollout of one episode, single- or multi-turn, happens in a generator replica: :mod:`forge_core.rollout`);
+fault supervision :mod:`forge_core.supervision`; both are parts of :class:`Controller`. Spawning and
+placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
+checkpoint files :mod:`forge_core.checkpoint`; the metrics row :func:`forge_core.metrics.step_row`.
 
 This module reads top-down: :meth:`Controller.run` and the training loop (``_run``), then their
-helpers in the order the loop uses them (start, next batch, weight sync, evaluation, checkpoints),
-the rollout loop, fault supervision; the module's helper functions last.
+helpers in the order the loop uses them (start, next batch, weight sync, evaluation, checkpoints);
+the module's helper functions last.
 
 Faults inside a run (``fault.*``): every actor call has a deadline from the work it carries; a
 generator replica, the reward or the reference that dies or misses its deadline is killed, respawned
@@ -46,11 +48,8 @@ in a row end the run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -60,18 +59,20 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from forge_core import checkpoint
-from forge_core.advantages import compute_advantages
 from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split, sft_target
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
 from forge_core.rewards import load_reward_fn, reward_components
 from forge_core.rollout import check_env
-from forge_core.services import (ActorFailed, RunFailed, Service, Services, call, call_all, clip, eval_max_tokens,
-                                 spawn_services)
+from forge_core.rollout_loop import Dispatcher, RolloutLoop
+from forge_core.services import ActorFailed, RunFailed, Services, call, eval_max_tokens, spawn_services
+from forge_core.supervision import Supervision, _brief
 from forge_core.weight_sync import choose_transport
 
+__all__ = ["Controller", "Dispatcher", "RunFailed", "load_task", "sync_routes", "_brief"]
 
-class Controller:
+
+class Controller(RolloutLoop, Supervision):
     """Runs a recipe: spawns the actors, runs both loops, logs, checkpoints, saves the final model.
     ``cfg``: the resolved run config (:mod:`forge_core.config`); ``out_dir``: the run directory
     (metrics.jsonl, reward.png, checkpoints/, final/); ``hosts``: an optional multi-host Monarch
@@ -534,187 +535,6 @@ class Controller:
         if version != self.step:
             raise RuntimeError(f"checkpoint {path}: trainer version {version} != step {self.step}")
 
-    # ---- rollouts ----------------------------------------------------------------------------
-    def _eligible(self, k: int) -> list[int]:
-        """Replicas that may generate batch ``k``: policy version >= the step it will train at
-        (``k`` less the batches dropped so far) - S."""
-        return [i for i, v in enumerate(self.versions) if v >= k - self.skipped_batches - self.cfg.max_staleness]
-
-    async def _generate(self, problems: list, k: int, replicas: list[int], rnd: int = 0) -> tuple[list[Episode], dict]:
-        """Generate batch ``k`` (refill round ``rnd``) over ``replicas`` (whole groups each); episodes in
-        problem order."""
-        cfg, G = self.cfg, self.cfg.generator.group_size
-        plan = self.dispatcher.assign(len(problems), replicas)
-        t0 = time.perf_counter()
-
-        async def one(r: int, groups: list[int]) -> tuple[list[Episode], dict]:
-            ta = time.perf_counter()
-            got = await self._supervised(self.svc.generators[r].name, "generate", [problems[i] for i in groups],
-                                         cfg.seed * 100_003 + k * 1_009 + r + rnd * 1_000_003,
-                                         tokens=len(groups) * G * cfg.generator.max_response_tokens)
-            self.dispatcher.done(r, len(groups), time.perf_counter() - ta)
-            return got
-
-        out: list[Optional[Episode]] = [None] * (len(problems) * G)
-        got = await asyncio.gather(*(one(r, gs) for r, gs in plan.items()))
-        for (r, groups), (eps, _) in zip(plan.items(), got):
-            for j, e in enumerate(eps):
-                g = groups[j // G]
-                e.group, e.replica = g, r
-                out[g * G + j % G] = e
-        dt = time.perf_counter() - t0
-        tokens = sum(st["gen_tokens"] for _, st in got)
-        return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
-
-    async def rollout_loop(self) -> None:
-        """Produce rollout batches until cancelled (see the module docstring), finishing one at a time
-        in a task, in order, so the buffer sees the same batches in the same order. New prompts for
-        groups a batch lost (``advantage.drop_zero_variance``) come first, with that batch's replicas.
-        A failure is handed to the training loop (``background_error``), which raises it."""
-        finishing: Optional[asyncio.Task] = None
-        try:
-            try:
-                while True:
-                    async with self.changed:
-                        await self.changed.wait_for(lambda: not self.paused and not self.loading and (
-                            self.refills or self.buffered < self.B and self._eligible(self.batches_made)
-                            and self.batches_made < self._batches_wanted()))
-                        # (not while loading, else the first replica to load the new version takes every group;
-                        # none beyond the last step: no generation competes with the last step or is cut at exit)
-                        self.rollouts_in_flight += 1
-                        if self.refills:
-                            k, n, rnd = self.refills.pop(0)
-                        else:
-                            k, n, rnd = self.batches_made, self.cfg.prompts_per_step, 0
-                            self.batches_made += 1
-                        problems = self.source.next_batch(n)
-                        replicas = self._eligible(k)
-                    try:
-                        episodes, gen = await self._generate(problems, k, replicas, rnd)
-                        if finishing is not None:
-                            await finishing
-                    except BaseException:
-                        await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
-                        raise
-                    finishing = asyncio.create_task(self._finish(episodes, gen, k, rnd))
-            finally:
-                if finishing is not None and not finishing.done():
-                    finishing.cancel()
-                elif finishing is not None and not finishing.cancelled():
-                    finishing.exception()  # retrieved: its failure reached the training loop as background_error
-        except Exception as e:
-            await self._set(background_error=e)
-            raise
-
-    async def _finish(self, episodes: list[Episode], gen: dict, k: int = 0, rnd: int = 0) -> None:
-        """Reward, reference logprobs and group advantages of one generated batch (``k``, refill round
-        ``rnd``), then into the replay buffer. With ``advantage.drop_zero_variance``, groups whose
-        rewards are all equal are dropped and as many new prompts queued for batch ``k`` (``refills``),
-        up to ``advantage.max_refills`` rounds; then they are kept (advantage 0). A failure becomes
-        ``background_error`` (the training loop raises it)."""
-        cfg, s = self.cfg, self.svc
-        try:
-            t0 = time.perf_counter()
-            episodes = await self._score(episodes)
-            reward_s = time.perf_counter() - t0
-            tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-            ranks = await self._supervised("reference", "logprobs", episodes, tokens=tokens, all_ranks=True)
-            for lists, _ in ranks:
-                for e, lp in zip(episodes, lists):
-                    if lp is not None:
-                        e.ref_logprobs = lp
-            rewards = torch.tensor([e.reward for e in episodes]).view(-1, cfg.generator.group_size)
-            finite = torch.isfinite(rewards).all(1, keepdim=True)
-            adv, keep, adv_m = compute_advantages(rewards.where(finite, 0.0), cfg.advantage)
-            adv = adv.where(finite, float("nan"))  # a non-finite reward poisons its group: the step is skipped
-            for e, a in zip(episodes, adv.flatten().tolist()):
-                e.advantage = a
-            if lost := int((~keep).sum()):
-                if rnd < cfg.advantage.max_refills:
-                    episodes = [e for e in episodes if bool(keep[e.group])]
-                    self.refills.append([k, lost, rnd + 1])
-                else:
-                    adv_m["dropped_groups"] = 0.0
-            size = await call("replay_buffer", s.buffer.add, episodes, timeout_s=self._deadline(0))
-            self.rollout_stats.append(dict(gen, reward_s=reward_s, ref_s=max(secs for _, secs in ranks), **adv_m))
-            await self._set(buffered=size)
-        except Exception as e:
-            await self._set(background_error=e)
-            raise
-        finally:
-            await self._set(rollouts_in_flight=self.rollouts_in_flight - 1)
-
-    async def _score(self, episodes: list[Episode]) -> list[Episode]:
-        """``episodes`` scored by the reward actor. Raises RunFailed when the recipe's reward function
-        raised or returned something that is not a finite float or a dict of them (a fault of the recipe,
-        not of the actor: no respawn; the message names the function, the example and the value)."""
-        episodes, error = await self._supervised("reward", "score", episodes)
-        if error:
-            raise RunFailed(f"{error}; the run stops after step {self.step}")
-        return episodes
-
-    # ---- faults ------------------------------------------------------------------------------
-    def _deadline(self, tokens: float) -> float:
-        """Seconds a call carrying ``tokens`` tokens of work may take (``fault.*``)."""
-        return self.cfg.fault.call_timeout_s + self.cfg.fault.timeout_per_token_s * tokens
-
-    def _count_restart(self, name: str, error: BaseException) -> None:
-        f, now = self.cfg.fault, time.monotonic()
-        recent = [t for t in self.restart_times.get(name, []) if now - t < f.restart_window_s]
-        if len(recent) >= f.max_restarts:
-            raise ActorFailed(f"actor '{name}' failed {len(recent) + 1} times within {f.restart_window_s:g} s "
-                              f"(fault.max_restarts={f.max_restarts}); last error: {clip(str(error), 1500)}") from error
-        self.restart_times[name] = recent + [now]
-
-    def _record_fault(self, name: str, error: BaseException, t0: float) -> None:
-        role = "generator" if name.startswith("generator") else name
-        self.restarts[role] += 1
-        self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-        rec = {"service": name, "step": self.step, "error": clip(str(error), 500), "recover_s": time.perf_counter() - t0,
-               "restarts": self.restarts[role], "time": time.time()}
-        with open(os.path.join(self.out_dir, "faults.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        checkpoint.warn(f"{name} failed ({_brief(error)}); respawned and back in {rec['recover_s']:.1f} s")
-
-    def _current(self, name: str) -> Service:
-        return next(s for s in self.svc.all() if s.name == name)
-
-    async def _revive(self, failed: Service, error: BaseException) -> None:
-        """Respawn the reward, the reference or generator replica ``failed`` and restore its state
-        (see the module docstring); nothing when it was already replaced since. Raises ActorFailed
-        when its restarts are used up."""
-        name, generator = failed.name, failed.name.startswith("generator")
-        async with self.sync_lock if generator else contextlib.nullcontext():
-            if self._current(name) is not failed:
-                return  # the weight sync already respawned it
-            self._count_restart(name, error)
-            t0 = time.perf_counter()
-            await self.svc.respawn(name)
-            if generator:
-                self.generation += 1
-                await self._sync_locked()
-            elif name == "reference":
-                digest = await call(name, self.svc.reference.rebuild_initial,  # waits for its start-up too
-                                    timeout_s=self.cfg.weight_sync.timeout_s + self.cfg.fault.call_timeout_s)
-                if digest != self.ref_digest:
-                    raise ActorFailed(f"actor 'reference' respawned but its rebuilt initial policy differs from "
-                                      f"version 0 (digest {digest[:12]} != {self.ref_digest[:12]}): a sharded random "
-                                      f"init cannot be rebuilt; resume the run from its last checkpoint")
-        self._record_fault(name, error, t0)
-
-    async def _supervised(self, name: str, endpoint: str, *args: Any, tokens: float = 0,
-                          all_ranks: bool = False) -> Any:
-        """Call ``endpoint`` of the service ``name`` (the reward, the reference or a generator replica)
-        with a deadline for ``tokens`` tokens of work; on a death or a missed deadline, respawn it
-        (:meth:`_revive`: a replica with the current weights) and make the same call again."""
-        while True:
-            svc = self._current(name)
-            try:
-                fn = call_all if all_ranks else call
-                return await fn(name, getattr(svc, endpoint), *args, timeout_s=self._deadline(tokens))
-            except ActorFailed as e:
-                await self._revive(svc, e)
-
     # ---- the loops' shared state -------------------------------------------------------------
     async def _set(self, **attrs: Any) -> None:
         """Set the loops' shared state ``attrs`` (none: just a change) and wake every waiter on it."""
@@ -779,43 +599,3 @@ def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
         print(f"[forge] weight sync: {g.name} (node {g.slot.host}) <- {src.name} (node {src.slot.host}): "
               f"{how} ({why})", file=sys.stderr, flush=True)
     return routes
-
-
-class Dispatcher:
-    """Spreads the prompt groups of a rollout batch over ``replicas`` generator replicas. A group is
-    never split; each goes to the replica expected to finish it first, from its outstanding groups
-    and measured speed (an exponential moving average of groups per second, the newest measurement
-    weighted ``alpha``), so a slow replica gets less work. Pure bookkeeping, no actor calls."""
-
-    def __init__(self, replicas: int, alpha: float = 0.5):
-        self.rate: list[Optional[float]] = [None] * replicas  # groups / s
-        self.outstanding, self.alpha = [0] * replicas, alpha
-
-    def assign(self, n_groups: int, eligible: list[int]) -> dict[int, list[int]]:
-        """``{replica: [group indices]}`` for ``n_groups`` groups over the ``eligible`` replicas
-        (their outstanding counts grow by what they get). Raises ValueError when none is eligible."""
-        if not eligible:
-            raise ValueError("no generator replica is eligible (all too stale)")
-        known = [r for r in self.rate if r]
-        default = statistics.fmean(known) if known else 1.0
-        out: dict[int, list[int]] = {r: [] for r in eligible}
-        for g in range(n_groups):
-            best = min(eligible, key=lambda r: ((self.outstanding[r] + 1) / (self.rate[r] or default), r))
-            out[best].append(g)
-            self.outstanding[best] += 1
-        return {r: gs for r, gs in out.items() if gs}
-
-    def done(self, replica: int, groups: int, seconds: float) -> None:
-        """Record that ``replica`` finished ``groups`` groups in ``seconds``."""
-        self.outstanding[replica] -= groups
-        if groups and seconds > 0:
-            r, old = groups / seconds, self.rate[replica]
-            self.rate[replica] = r if old is None else self.alpha * r + (1 - self.alpha) * old
-
-
-def _brief(error: BaseException, limit: int = 400) -> str:
-    """The gist of an actor's error for a one-line warning: its last non-empty line (an actor's error
-    ends with its exception after the traceback), cut at ``limit`` characters on a word boundary."""
-    lines = [l.strip() for l in str(error.__cause__ or error).splitlines() if l.strip()] or [repr(error)]
-    last = lines[-1]
-    return last if len(last) <= limit else last[:limit].rsplit(" ", 1)[0] + " ..."

@@ -186,28 +186,29 @@ def calculator(expression: str) -> str:
     return str(int(out)) if isinstance(out, float) and out.is_integer() and abs(out) < 1e15 else str(out)
 
 
-def python(code: str) -> str:
+def python(code: str, limits: Any = None) -> str:
     """Run a Python program and return what it prints (stdout).
 
     Runs in a bubblewrap sandbox (:func:`forge_core.sandbox.run_python`): no network, no access to the
     run's files or environment, its own temporary directory, and wall-time, memory, process-count
-    and output limits (set by :class:`ToolEnv` from ``env.*``).
+    and output limits (``limits``, a :class:`forge_core.sandbox.PythonLimits`; :class:`ToolEnv` sets
+    them from ``env.*``; the model sees only ``code``).
 
     Args:
         code: the program's source; print the values you want back.
+        limits: the sandbox's limits (set by the environment, not shown to the model).
 
     Raises:
         RuntimeError: the program failed, timed out or was killed (the reason, one line).
     """
     from forge_core import sandbox
 
-    r = sandbox.run_python(code, _PYTHON_LIMITS.get("limits") or sandbox.PythonLimits())
+    r = sandbox.run_python(code, limits or sandbox.PythonLimits())
     if r.error():
         raise RuntimeError(r.error())
     return r.stdout
 
 
-_PYTHON_LIMITS: dict = {}
 BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": python}
 
 
@@ -219,6 +220,9 @@ def tool_spec(fn: Callable) -> dict:
 
     spec = get_json_schema(fn)
     spec["function"].pop("return", None)  # not part of the OpenAI spec
+    params = spec["function"]["parameters"]
+    params["properties"].pop("limits", None)  # set by the environment, not by the model (python)
+    params["required"] = [r for r in params.get("required", []) if r != "limits"]
     spec["function"]["description"] = spec["function"]["description"].split("\n\n")[0]
     return spec
 
@@ -250,11 +254,11 @@ class ToolEnv(BaseTextEnv):
         self.fns = {n: BUILTIN_TOOLS[n] for n in c.tools}
         self.fns.update(type(self).TOOLS)
         self.tools = [tool_spec(f) for f in self.fns.values()]
-        if "python" in self.fns:
+        if self.fns.get("python") is python:
             from forge_core.sandbox import PythonLimits
-            _PYTHON_LIMITS["limits"] = PythonLimits(wall_s=c.tool_timeout_s, memory_mb=c.python_memory_mb,
-                                                    max_processes=c.python_max_processes,
-                                                    max_output_bytes=4 * c.max_tool_result_chars)
+            limits = PythonLimits(wall_s=c.tool_timeout_s, memory_mb=c.python_memory_mb,
+                                  max_processes=c.python_max_processes, max_output_bytes=4 * c.max_tool_result_chars)
+            self.fns["python"] = lambda code: python(code, limits)
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         """Run the tool calls in ``action`` (the assistant turn's text). Returns the tool messages as

@@ -179,3 +179,23 @@ def test_make_eval_runs_episodes_through_the_environment():
     res = json.loads(r.stdout[r.stdout.index("{"):])
     assert res["questions"] == 2 and res["engine"] == "hf" and "reward/env" in res
     assert res["turns_mean"] >= 1.0 and "tool_calls_mean" in res and "tool_error_rate" in res
+
+
+def test_the_python_tool_runs_in_the_sandbox_and_its_failures_are_messages():
+    """``env.tools: [python]``: a call runs in the sandbox with ``env.*``'s limits (the model's spec
+    shows ``code`` only); reading the run's files, an endless loop and a flood of output come back
+    as error messages, and the episode goes on."""
+    from forge_core.sandbox import SandboxUnavailable, check_sandbox
+
+    try:
+        check_sandbox()
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
+    env = tool_env(tools=["python"], tool_timeout_s=2.0, max_tool_result_chars=200)
+    assert env.tools[0]["function"]["parameters"]["required"] == ["code"]
+    assert env.step(call("python", code="print(6 * 7)"))["observations"] == [{"role": "tool", "content": "42\n"}]
+    for code, says in (("print(open('/work/main/README.md').read())", "No such file or directory"),
+                       ("while True: pass", "timed out"), ("print('x' * 10**6)", "output cut")):
+        out = tool_env(tools=["python"], tool_timeout_s=2.0, max_tool_result_chars=200).step(call("python", code=code))
+        assert out["metadata"]["tool_errors"] == 1 and says in out["observations"][0]["content"], out
+        assert not out["done"]
