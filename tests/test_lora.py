@@ -60,17 +60,22 @@ def _randomise_B(model, seed: int = 1, std: float = 0.02) -> None:
 # ---- the adapter itself --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 @pytest.mark.parametrize("kind", ["tiny_llama", "llama3"])
-def test_lora_gradients_equal_a_float64_reference(kind):
+def test_lora_gradients_equal_a_float64_reference(kind, multi_turn):
     """GRPO loss gradients of ``A`` and ``B`` (fp32 LoRA modules) equal those of a float64 reference
     that merges ``W + (B @ A) * alpha / r`` explicitly into a plain model (``torch.func``), and the
-    base weights get none."""
+    base weights get none; also with multi-turn loss masks (a tool block of masked tokens inside the
+    response)."""
     spec = _spec(kind)
     cfg = lora.LoRAConfig(rank=4, alpha=8.0)
     m = titan.build_model(spec, CPU, seed=0, lora=cfg)
     _randomise_B(m)
     eps = _episodes(spec.args.vocab_size)
     b = _batch(eps)
+    if multi_turn:
+        b["mask"][:, 2:5] = 0  # the tool message and the template between two model turns
+        assert b["mask"].sum() > 0
     loss_cfg = make_loss_config("grpo", beta=0.04)
     loss, _ = compute_loss(loss_cfg, _logprobs(m, eps), b["old"], b["adv"], b["mask"], b["ref"])
     loss.backward()
