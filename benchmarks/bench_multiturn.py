@@ -54,9 +54,9 @@ def main(argv=None) -> None:
 
     from forge_core.actors.vllm_generator import make_engine, sampled_logprobs
     from forge_core.config import load_config
-    from forge_core.data import load_split
+    from forge_core.data import chat_messages, load_split
     from forge_core.models import ModelConfig, load_tokenizer
-    from forge_core.rollout import ChatBridge, Sampled, first_messages, rollout_episodes
+    from forge_core.rollout import ChatBridge, Sampled, rollout_episodes
 
     cfg = load_config(a.recipe, a.overrides)
     tok = load_tokenizer(ModelConfig(**cfg.model))
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     sp = lambda n: SamplingParams(n=1, max_tokens=n, temperature=cfg.generator.temperature, logprobs=0,  # noqa: E731
                                   flat_logprobs=True, ignore_eos=True, detokenize=False)
     bridge = ChatBridge(tok, None)
-    prompts = [bridge.prompt(first_messages(q, cfg.data.system_prompt)) for q in problems]
+    prompts = [bridge.prompt(chat_messages(q, cfg.data.system_prompt)) for q in problems]
 
     def single() -> tuple[float, int]:
         t0 = time.perf_counter()

@@ -304,7 +304,14 @@ def chat_prompt(tokenizer: Any, problem: Any, system_prompt: str) -> str:
     their own system turn or it is empty."""
     if isinstance(problem, str):
         problem = Problem(id="", prompt=problem, answer="")
-    messages = list(problem.messages) or [{"role": "user", "content": problem.prompt}]
+    return tokenizer.apply_chat_template(chat_messages(problem, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def chat_messages(problem: Problem, system_prompt: str) -> list[dict]:
+    """The conversation a prompt starts: the problem's ``messages`` (copies), or one user turn with its
+    ``prompt``, behind ``system_prompt`` unless the messages bring their own system turn or it is empty."""
+    messages = [dict(m) for m in problem.messages] or [{"role": "user", "content": problem.prompt}]
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return messages

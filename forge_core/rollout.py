@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from forge_core.data import chat_messages
 from forge_core.environment import EnvError, load_env_class, make_env
 from forge_core.episode import Episode
 
@@ -126,15 +127,6 @@ class _Live:
     done: bool = False
 
 
-def first_messages(problem: Any, system_prompt: str) -> list[dict]:
-    """The conversation an episode starts from: the row's messages, or one user turn with its prompt,
-    behind ``system_prompt`` (unless the messages bring their own system turn or it is empty)."""
-    messages = [dict(m) for m in problem.messages] or [{"role": "user", "content": problem.prompt}]
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    return messages
-
-
 def rollout_episodes(problems: list, n: int, *, tok: Any, env_cfg: dict, system_prompt: str,
                      max_prompt_tokens: int, max_response_tokens: int, version: int,
                      sample: Callable[[list[list[int]], list[int]], list[Sampled]]) -> list[Episode]:
@@ -158,7 +150,7 @@ def rollout_episodes(problems: list, n: int, *, tok: Any, env_cfg: dict, system_
         for _ in range(n):
             env = make_env(cls, env_cfg, p)
             try:
-                messages, _ = env.init(first_messages(p, system_prompt))
+                messages, _ = env.init(chat_messages(p, system_prompt))
             except Exception as e:
                 raise EnvError(f"{p.id}: {cls.__name__}.init failed on this row: {type(e).__name__}: {e}") from None
             bridge = ChatBridge(tok, getattr(env, "tools", None))
@@ -226,10 +218,11 @@ def check_env(env_cfg: dict, problem: Any, system_prompt: str) -> None:
             something other than skyrl-gym's shapes; the message names ``env.fn`` and the row.
     """
     cls = load_env_class(env_cfg["fn"])
-    env = make_env(cls, dict(env_cfg, tool_format=env_cfg.get("tool_format", "auto").replace("auto", "hermes")), problem)
+    fmt = env_cfg.get("tool_format", "auto")
+    env = make_env(cls, dict(env_cfg, tool_format="hermes" if fmt == "auto" else fmt), problem)  # no tokenizer here
     where = f"env.fn={env_cfg['fn']!r} on {problem.id}"
     try:
-        messages, _ = env.init(first_messages(problem, system_prompt))
+        messages, _ = env.init(chat_messages(problem, system_prompt))
         out = env.step(str(problem.answer))
     except Exception as e:
         raise EnvError(f"{where}: {type(e).__name__}: {e}") from None

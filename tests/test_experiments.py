@@ -150,13 +150,7 @@ def test_a_fault_warning_keeps_the_error_whole():
 def test_the_arithmetic_recipes_data_is_what_its_script_writes(tmp_path):
     """recipes/smollm2_135m_arith ships data/*.jsonl; make_data.py writes the same bytes (seeded), with
     no held-out fact among the training facts (not even with its operands swapped)."""
-    d = os.path.join(ROOT, "recipes", "smollm2_135m_arith")
-    shutil.copy(os.path.join(d, "make_data.py"), tmp_path)
-    subprocess.run([PY, str(tmp_path / "make_data.py")], check=True, capture_output=True)
-    for split in ("train", "test"):
-        with open(os.path.join(d, "data", f"{split}.jsonl")) as a, open(tmp_path / "data" / f"{split}.jsonl") as b:
-            assert a.read() == b.read(), split
-    rows = {s: [json.loads(l) for l in open(os.path.join(d, "data", f"{s}.jsonl"))] for s in ("train", "test")}
+    rows = _shipped_data_is_what_its_script_writes("smollm2_135m_arith", tmp_path)
     def key(r):  # the operation and its two single-digit operands, unordered
         x, y = (int(v) for v in r["question"].split("?")[0].split()[2::2])
         a, b = {"+": (x, y), "x": (x, y), "-": (x - y, y), "/": (y, x // y)}[r["op"]]
@@ -168,13 +162,19 @@ def test_the_arithmetic_recipes_data_is_what_its_script_writes(tmp_path):
 def test_the_tool_recipes_data_is_what_its_script_writes(tmp_path):
     """recipes/smollm2_135m_tool ships data/*.jsonl; make_data.py writes the same bytes (seeded); no
     held-out (a, b) pair is a training pair, and every answer is the product."""
-    d = os.path.join(ROOT, "recipes", "smollm2_135m_tool")
+    rows = _shipped_data_is_what_its_script_writes("smollm2_135m_tool", tmp_path)
+    assert not {(r["a"], r["b"]) for r in rows["test"]} & {(r["a"], r["b"]) for r in rows["train"]}
+    assert all(r["answer"] == str(r["a"] * r["b"]) for rs in rows.values() for r in rs)
+    assert (len(rows["train"]), len(rows["test"])) == (2000, 200)
+
+
+def _shipped_data_is_what_its_script_writes(recipe: str, tmp_path) -> dict:
+    """Run ``recipes/<recipe>/make_data.py`` in ``tmp_path``: it writes the bytes the folder ships in
+    ``data/{train,test}.jsonl``. Returns the shipped rows, ``{"train": [...], "test": [...]}``."""
+    d = os.path.join(ROOT, "recipes", recipe)
     shutil.copy(os.path.join(d, "make_data.py"), tmp_path)
     subprocess.run([PY, str(tmp_path / "make_data.py")], check=True, capture_output=True)
     for split in ("train", "test"):
         with open(os.path.join(d, "data", f"{split}.jsonl")) as a, open(tmp_path / "data" / f"{split}.jsonl") as b:
             assert a.read() == b.read(), split
-    rows = {s: [json.loads(l) for l in open(os.path.join(d, "data", f"{s}.jsonl"))] for s in ("train", "test")}
-    assert not {(r["a"], r["b"]) for r in rows["test"]} & {(r["a"], r["b"]) for r in rows["train"]}
-    assert all(r["answer"] == str(r["a"] * r["b"]) for rs in rows.values() for r in rs)
-    assert (len(rows["train"]), len(rows["test"])) == (2000, 200)
+    return {s: [json.loads(l) for l in open(os.path.join(d, "data", f"{s}.jsonl"))] for s in ("train", "test")}
