@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge_core.titan_spec import clean_name, hf_layout, state_dict_adapter
+
 # HF module name -> (TorchTitan attribute path inside a block, HF parent inside a layer)
 TARGETS = {"q_proj": ("attention.wq", "self_attn"), "k_proj": ("attention.wk", "self_attn"),
            "v_proj": ("attention.wv", "self_attn"), "o_proj": ("attention.wo", "self_attn"),
@@ -164,7 +166,6 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """``{TorchTitan module name: LoRALinear}`` of ``model`` (wrapper prefixes of compile, AC and
     FSDP removed), in module order; empty without LoRA."""
-    from forge_core.titan import clean_name
 
     return {clean_name(n): m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
@@ -230,7 +231,6 @@ def merged_weight(m: LoRALinear) -> torch.Tensor:
 def num_params(hf: dict, cfg: LoRAConfig) -> int:
     """Adapter parameters of a model of HF config ``hf`` (:func:`forge_core.models.hf_config_dict`):
     ``r * (in + out)`` per adapted linear layer, from the config alone."""
-    from forge_core.titan import hf_layout
 
     names = tuple(f".{m}.weight" for m in cfg.target_modules)
     return sum(cfg.rank * (shape[0] + shape[1]) for n, shape, _ in hf_layout(hf) if n.endswith(names))
@@ -276,7 +276,6 @@ def peft_state_dict(model: nn.Module, spec: Any) -> dict[str, torch.Tensor]:
     TorchTitan's Llama 3 (``spec.family == "llama3"``) the rows of q/k ``B`` are permuted as TorchTitan's
     state-dict adapter permutes ``wq``/``wk`` into HF's rotary layout, so that HF's ``W + s B A`` is
     the TorchTitan merge permuted. A collective under FSDP (every rank must call)."""
-    from forge_core.titan import state_dict_adapter
 
     adapter = state_dict_adapter(spec) if spec.family == "llama3" else None
     by_path = {path: (hf, parent) for hf, (path, parent) in TARGETS.items()}
