@@ -146,6 +146,7 @@ def rollout_episodes(problems: list, n: int, *, tok: Any, env_cfg: dict, system_
     """
     cls, cap = load_env_class(env_cfg["fn"]), env_cfg.get("max_turn_tokens") or max_response_tokens
     live: list[_Live] = []
+    bridges: dict[str, ChatBridge] = {}  # one per tool set: its probe renders the template twice
     for p in problems:
         for _ in range(n):
             env = make_env(cls, env_cfg, p)
@@ -153,7 +154,9 @@ def rollout_episodes(problems: list, n: int, *, tok: Any, env_cfg: dict, system_
                 messages, _ = env.init(chat_messages(p, system_prompt))
             except Exception as e:
                 raise EnvError(f"{p.id}: {cls.__name__}.init failed on this row: {type(e).__name__}: {e}") from None
-            bridge = ChatBridge(tok, getattr(env, "tools", None))
+            tools = getattr(env, "tools", None)
+            key = json.dumps(tools, sort_keys=True)
+            bridge = bridges.get(key) or bridges.setdefault(key, ChatBridge(tok, tools))
             live.append(_Live(p, env, bridge, list(messages), bridge.prompt(messages)[-max_prompt_tokens:]))
     for turn in range(env_cfg["max_turns"]):
         active = [e for e in live if not e.done]
