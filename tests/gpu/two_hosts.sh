@@ -12,6 +12,9 @@
 #   tests/gpu/two_hosts.sh looprdma the same with weight_sync.transport=rdma
 #   tests/gpu/two_hosts.sh loop8b   the Llama-3.1-8B shape with 16 of its layers (llama3_8b_16l), 5 steps, auto
 #   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
+# GPUS_PER_HOST=k (default 1) gives each emulated host k GPUs (2k needed): node 0 GPUs 0..k-1 (trainer FSDP over
+# k, reference sharded on it), node 1 GPUs k..2k-1 (k generator replicas of TP=1), as recipes/llama3_8b lays out
+# two 8-GPU nodes.
 # Outputs (logs, metrics, summaries) go to $OUT (default /tmp/out), runs to /tmp/runs. Needs 2 GPUs and the
 # project installed with its GPU extra (pip install -e '.[gpu]'; `bash benchmarks/gpu.sh setup` checks it).
 # GSM8K and the models' tokenizers come from the HF hub unless GSM8K_DIR names a local copy (as for make run;
@@ -25,8 +28,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
 IPS=$'127.0.0.1\n127.0.0.2'
 PORT=${PORT:-26610}
-LAYOUT="layout.nodes=2 layout.gpus_per_node=1 layout.generator.host=1 layout.generator.replicas=1
-  layout.generator.tp=1 layout.trainer.host=0 layout.trainer.gpus=1 layout.reference.host=0 layout.reference.gpus=0
+K=${GPUS_PER_HOST:-1}
+GPUS0=$(seq -s, 0 $((K - 1))) GPUS1=$(seq -s, $K $((2 * K - 1)))
+LAYOUT="layout.nodes=2 layout.gpus_per_node=$K layout.generator.host=1 layout.generator.replicas=$K
+  layout.generator.tp=1 layout.trainer.host=0 layout.trainer.gpus=$K layout.reference.host=0 layout.reference.gpus=0
   model.init=random max_staleness=1 checkpoint.every=0 output_dir=/tmp/runs trainer.tokens_per_micro_batch=16384"
 
 node() {  # rank gpu recipe overrides...
@@ -38,9 +43,9 @@ node() {  # rank gpu recipe overrides...
 loop() {  # name recipe overrides...
   local name=$1 recipe=$2; shift 2
   PORT=$((PORT + 1))
-  node 1 1 "$recipe" > "$OUT/$name.node1.log" 2>&1 &
+  node 1 "$GPUS1" "$recipe" > "$OUT/$name.node1.log" 2>&1 &
   local w=$!
-  node 0 0 "$recipe" $LAYOUT run_id="$name" "$@" > "$OUT/$name.log" 2>&1 &
+  node 0 "$GPUS0" "$recipe" $LAYOUT run_id="$name" "$@" > "$OUT/$name.log" 2>&1 &
   local c=$!
   if [ -n "${KILL_AT:-}" ]; then
     until grep -q "\"step\": $KILL_AT," "/tmp/runs/$name/metrics.jsonl" 2>/dev/null || ! kill -0 $c 2>/dev/null; do sleep 1; done
