@@ -13,7 +13,7 @@ OUT=$(mkdir -p "${OUT:-/tmp/out}" && cd "${OUT:-/tmp/out}" && pwd) || exit 3
 cd "$(dirname "$0")/.."
 R=/tmp/runs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-  VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 
 gpumem() {  # every 10 s: per-GPU memory used (MiB), into $1

@@ -99,7 +99,9 @@ def named_hf_tensors(model: torch.nn.Module, spec: TitanSpec, adapter=None,
 
 def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> None:
     """Load HF-named full tensors into ``model`` (plain or FSDP/TP-sharded) through the adapter; LoRA
-    adapters (:mod:`forge_core.lora`) are not among them and keep their values.
+    adapters (:mod:`forge_core.lora`) are not among them and keep their values. A sharded parameter
+    takes its values from rank 0's tensor (``distribute_tensor`` scatters from ``src_data_rank=0``):
+    the other ranks may pass ``meta`` tensors of the same shapes, and then read nothing.
 
     Raises:
         ValueError: naming missing or unexpected keys.
@@ -117,7 +119,9 @@ def load_hf_state_dict(model: torch.nn.Module, spec: TitanSpec, hf_sd: dict) -> 
     with torch.no_grad():
         for n, p in params.items():
             if isinstance(p, DTensor):
-                src = distribute_tensor(sd[n].to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements)
+                t, dev = sd[n], p.device_mesh.device_type
+                t = torch.empty(t.shape, dtype=p.dtype, device=dev) if t.is_meta else t.to(dev).to(p.dtype)
+                src = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=0)
                 p.to_local().copy_(src.to_local())
             else:
                 p.copy_(sd[n].to(p.device, p.dtype))

@@ -271,3 +271,40 @@ def test_vllm_worker_calls_pickle():
             pickle.dumps(lambda m: vg._load(m, h, 1))  # what the generator passed before: not picklable
     finally:
         buf.close()
+
+
+def _sharded_load_worker(rank, init_file):
+    """One of 2 gloo ranks of an FSDP2-sharded model (a sharded reference): rank 0 holds the HF
+    weights, rank 1 only their shapes (``meta``, what :meth:`Reference.load_initial` gives a rank
+    that cannot see the trainer's GPU); after :func:`titan.load_hf_state_dict` every rank's shards
+    gather to rank 0's weights."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as pdm
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+    from forge_core import titan
+    from forge_core.weight_sync import digest_of
+    from test_lora import _spec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    pdm.device_type = "cpu"
+    spec = _spec("llama3")  # its HF layout permutes wq/wk rows: the adapter runs on the meta tensors too
+    jc = titan.job_config(128, ac=False)
+    jc.training.mixed_precision_param = "float32"
+    pd = pdm.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    pd.build_mesh()
+    want = dict(titan.named_hf_tensors(titan.build_model(spec, torch.device("cpu"), seed=1), spec))
+    m = titan.build_model(spec, torch.device("cpu"), seed=0, parallelize=lambda mm: parallelize_llama(mm, pd, jc))
+    src = want if rank == 0 else {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in want.items()}
+    titan.load_hf_state_dict(m, spec, src)
+    got = list(titan.named_hf_tensors(m, spec))  # every rank gathers (collectives)
+    assert digest_of(got) == digest_of(want.items())
+    dist.destroy_process_group()
+
+
+def test_sharded_load_reads_rank_0_only(tmp_path):
+    """A reference sharded over several GPUs loads the trainer's weights through rank 0 alone: the
+    other ranks (each seeing only its own GPU, so unable to open the trainer's CUDA IPC buffer) pass
+    shapes, and every shard still equals the trainer's bytes."""
+    torch.multiprocessing.spawn(_sharded_load_worker, args=(str(tmp_path / "init"),), nprocs=2)

@@ -68,7 +68,9 @@ class Reference(Actor):
     @endpoint
     async def load_initial(self, handle: WeightHandle, transport: str = "ipc") -> float:
         """Load the trainer's version-0 weights over ``transport``: ``ipc`` (the trainer's host) or
-        ``rdma`` (another host). Returns seconds.
+        ``rdma`` (another host). Returns seconds. Sharded over several GPUs, rank 0 (on the trainer's
+        rank-0 GPU when sharded over the trainer's GPUs) reads the weights and scatters each
+        parameter's shards to the others, which read nothing.
 
         Raises:
             ValueError: the handle is not version 0.
@@ -76,12 +78,18 @@ class Reference(Actor):
         if handle.version != 0:
             raise ValueError(f"reference model must be the initial policy (version 0), got version {handle.version}")
         t0 = time.perf_counter()
-        if transport == "ipc":
+        dtype = getattr(torch, handle.dtype)
+        if self.rank != 0:
+            # Sharded over several GPUs: each parameter is scattered from rank 0's copy (see
+            # titan.load_hf_state_dict), so the other ranks need only its shape, and they could not
+            # open the trainer's buffer anyway (each rank sees its own GPU alone).
+            flat = torch.empty(handle.nbytes // dtype.itemsize, dtype=dtype, device="meta")
+        elif transport == "ipc":
             flat = open_ipc(handle)
         else:
             flat = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)
             await handle.rdma.read_into(flat)
-            flat = flat.view(getattr(torch, handle.dtype))
+            flat = flat.view(dtype)
         titan.load_hf_state_dict(self.model, self.spec, dict(layout_views(flat, handle.layout)))
         del flat
         if self.device.type == "cuda":
