@@ -386,8 +386,9 @@ def _check(cfg: DictConfig, where: str) -> None:
 
 def _check_env(cfg: DictConfig, where: str) -> None:
     """``env.*``: the class ``env.fn`` names loads, its built-in tools exist, and the ``python`` tool's
-    sandbox (bubblewrap) starts on this node; the multi-turn rollout needs the ``hf`` or ``vllm``
-    generator and a policy loss (not ``sft``)."""
+    sandbox (bubblewrap) starts on this node. With ``loss=sft`` the environment gives the prompts
+    their tools, and the data rows must be conversations (checked on the data, see
+    :func:`forge_core.rollout.sft_conversation`)."""
     if not cfg.env.fn:
         return
     try:
@@ -404,9 +405,6 @@ def _check_env(cfg: DictConfig, where: str) -> None:
             check_sandbox()
         except SandboxUnavailable as e:
             raise ConfigError(f"{where}: env.tools names python, whose sandbox cannot run on this node: {e}") from None
-    if cfg.loss.name == "sft":
-        raise ConfigError(f"{where}: env.fn={cfg.env.fn!r} with loss=sft: SFT trains on the data's answers, not on "
-                          f"episodes; unset env.fn")
 
 
 def _resolve_paths(cfg: DictConfig, d: str) -> None:

@@ -565,6 +565,9 @@ def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
                         f"of data.train={cfg.data.train}: one batch would repeat prompts")
     if cfg.loss.name == "sft":
         for p in train:  # every example has a target to train on (the first without one is named)
+            if cfg.env.fn and not any(m["role"] == "assistant" for m in p.messages):
+                raise DataError(f"{p.id}: no assistant turn in its messages: with env.fn, SFT trains on "
+                                f"conversations (data.messages_field) and their assistant turns")
             sft_target(p, cfg.data)
     e = cfg.eval
     held = eval_subset(load_split(cfg.data, "test"), e.num_questions, e.seed) if e.every or e.at_start else []

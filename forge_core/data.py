@@ -278,9 +278,14 @@ def sft_target(problem: Problem, data: Any) -> str:
     written (``file``/``hub``: ``answer_field``, e.g. a MATH solution), for GSM8K its worked solution
     ending in ``#### N`` with the calculator annotations (``<<48/2=24>>``) removed.
 
+    A row whose ``messages`` hold assistant turns is a conversation, trained on those turns
+    (:func:`forge_core.rollout.sft_conversation`): its target is ``""``.
+
     Raises:
         DataError: naming the row when the target is missing or empty.
     """
+    if any(m["role"] == "assistant" for m in problem.messages):
+        return ""
     field_ = "answer" if data.source == "gsm8k" else data.answer_field
     text = problem.row.get(field_) if field_ else None
     text = _CALCULATOR.sub("", str(text)).strip() if text is not None else ""

@@ -63,15 +63,16 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
 
 def sft_row(step: int, trainer: dict, episodes: list[Episode], *, state: dict, timings: dict) -> dict:
     """One SFT step's ``metrics.jsonl`` row: ``step``, ``policy_version``, ``batch_hash``, ``loss``
-    (the target tokens' mean cross-entropy, nats), ``grad_norm``, ``target_tokens`` and ``seq_tokens``
-    (tokens through forward and backward), ``target_len_mean``, ``truncated_frac`` (targets cut at
+    (the target tokens' mean cross-entropy, nats), ``grad_norm``, ``target_tokens`` (the tokens the
+    loss sees: a conversation's assistant turns) and ``seq_tokens`` (tokens through forward and
+    backward), ``target_len_mean``, ``truncated_frac`` (targets cut at
     ``generator.max_response_tokens``), ``train_s``, ``train_tok_s``, ``skipped_batches``,
     ``checkpoint_failures`` and ``timings``' ``step_s``, ``elapsed_s``, ``startup_s`` (seconds). Raises
     KeyError for a missing trainer key (``version``, ``loss``, ``grad_norm``, ``train_s``)."""
     return {"step": step, "policy_version": trainer["version"], "batch_hash": batch_hash(episodes),
             "loss": trainer["loss"], "grad_norm": trainer["grad_norm"],
-            "target_tokens": sum(len(e.response_ids) for e in episodes), "seq_tokens": trainer.get("seq_tokens", 0.0),
-            "target_len_mean": statistics.fmean(len(e.response_ids) for e in episodes),
+            "target_tokens": sum(e.model_tokens() for e in episodes), "seq_tokens": trainer.get("seq_tokens", 0.0),
+            "target_len_mean": statistics.fmean(e.model_tokens() for e in episodes),
             "truncated_frac": statistics.fmean(e.truncated for e in episodes), "train_s": trainer["train_s"],
             "train_tok_s": trainer.get("tokens_per_s", 0.0), "skipped_batches": state["skipped_batches"],
             "checkpoint_failures": state["checkpoint_failures"],

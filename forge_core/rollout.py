@@ -18,6 +18,10 @@ encoded again, so each turn's prompt is exactly the previous turn's tokens plus 
 A sampler is the backend's: transformers ``generate`` on a CPU (:func:`forge_core.actors.generator.hf_sample`)
 or vLLM (``VllmGenerator``); it takes token prompts and per-prompt token budgets and returns, for
 each, the sampled ids, their logprobs and whether the turn ended at EOS.
+
+SFT on conversations (:func:`sft_conversation`) lays a data row's own conversation out the same way:
+its assistant turns take the place of the sampled ones (loss_mask 1), its tool and user messages are
+bridged as the environment's would be (loss_mask 0).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from forge_core.data import chat_messages
+from forge_core.data import DataError, Problem, chat_messages
 from forge_core.environment import EnvError, load_env_class, make_env
 from forge_core.episode import Episode
 
@@ -234,3 +238,64 @@ def check_env(env_cfg: dict, problem: Any, system_prompt: str) -> None:
     if not isinstance(out, dict) or not {"observations", "reward", "done"} <= set(out):
         raise EnvError(f"{where}: step returned {out!r}: expected a dict with observations, reward and done")
     env.close()
+
+
+def has_conversation(problem: Problem) -> bool:
+    """Whether ``problem``'s messages hold an assistant turn: an SFT run then trains on its
+    assistant turns (:func:`sft_conversation`) instead of a target text."""
+    return any(m["role"] == "assistant" for m in problem.messages)
+
+
+def sft_conversation(tok: Any, problem: Problem, system_prompt: str, env_cfg: Optional[dict],
+                     max_prompt_tokens: int, max_response_tokens: int) -> Episode:
+    """An SFT example from a conversation (a row's ``messages`` holding assistant turns, tool calls
+    written in the model's format inside their text): the prompt is everything before the first
+    assistant turn, rendered as a rollout's would be (through the environment's ``init`` and its
+    tools when ``env_cfg`` names one); the response is the rest of the conversation, laid out as
+    :func:`rollout_episodes` lays out an episode: each assistant turn's tokens plus EOS with
+    ``loss_mask`` 1, the template and the following tool/user messages (:class:`ChatBridge`) with 0.
+    Messages after the last assistant turn are dropped. The loss sees the assistant turns only, as
+    TRL's ``assistant_only_loss``. Shapes: ``prompt_ids`` [P] (left-truncated to
+    ``max_prompt_tokens``), ``response_ids`` and ``loss_mask`` [R] (cut to ``max_response_tokens``;
+    then ``truncated``).
+
+    Raises:
+        DataError: the row has no assistant turn (names the row).
+        EnvError: the environment cannot start from the row, or the template cannot bridge turns.
+    """
+    msgs = chat_messages(problem, system_prompt)
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+    if first is None:
+        raise DataError(f"{problem.id}: no assistant turn in its messages: SFT on a conversation trains on its "
+                        f"assistant turns")
+    head, tools = msgs[:first], None
+    if env_cfg:
+        cls = load_env_class(env_cfg["fn"])
+        env = make_env(cls, env_cfg, problem)
+        try:
+            head, _ = env.init(head)
+        except Exception as e:
+            raise EnvError(f"{problem.id}: {cls.__name__}.init failed on this row: {type(e).__name__}: {e}") from None
+        tools = getattr(env, "tools", None)
+        env.close()
+    bridge = ChatBridge(tok, tools)
+    prompt = bridge.prompt(head)[-max_prompt_tokens:]
+    history, ids, mask, turns, i = list(head), [], [], 0, first
+    while i < len(msgs):
+        turn = tok(msgs[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        ids += turn
+        mask += [1] * len(turn)
+        turns += 1
+        history.append({"role": "assistant", "content": msgs[i]["content"]})
+        nxt = next((j for j in range(i + 1, len(msgs)) if msgs[j]["role"] == "assistant"), None)
+        if nxt is None:
+            break
+        new = bridge.between_turns(history, msgs[i + 1:nxt], eos=True)
+        ids += new
+        mask += [0] * len(new)
+        history += msgs[i + 1:nxt]
+        i = nxt
+    cut = min(len(ids), max_response_tokens)
+    return Episode(prompt_id=problem.id, group=0, target=problem.answer, example=problem.row, prompt_ids=prompt,
+                   response_ids=ids[:cut], behaviour_logprobs=[0.0] * cut, text=msgs[i]["content"], policy_version=0,
+                   truncated=cut < len(ids), advantage=1.0, loss_mask=mask[:cut], turns=turns)

@@ -151,7 +151,8 @@ def test_collate_masks_tool_tokens():
 def test_losses_match_the_float64_reference_on_multi_turn_masks():
     """Every loss, estimator and aggregation on masks shaped like multi-turn episodes (model turn,
     tool block, model turn, tool block, model turn; one episode with a single turn): loss and
-    gradient equal the loop reference, and masked tokens get no gradient."""
+    gradient equal the loop reference, and masked tokens get no gradient; ``sft`` on the same masks
+    is the assistant turns' mean cross-entropy."""
     import dataclasses as dc
 
     import test_losses as T
@@ -170,6 +171,11 @@ def test_losses_match_the_float64_reference_on_multi_turn_masks():
             lp, old, ref, adv, _ = T.make_inputs(seed=900 + v, B=B, T=W)
             loss, grad, _ = T.assert_matches_reference(cfg, lp, old, adv, mask, ref)
             assert torch.all(grad[~mask] == 0) and grad.abs().sum() > 0
+    lp, old, _, adv, _ = T.make_inputs(seed=999, B=B, T=W)  # sft: the assistant turns' mean cross-entropy
+    loss, grad, _ = T.run_impl(T.make_loss_config("sft"), lp, old, adv, mask)
+    m = mask.to(torch.float64)
+    torch.testing.assert_close(loss, -(lp * m).sum() / m.sum(), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad, -m / m.sum(), rtol=1e-12, atol=1e-15)
 
 
 def test_rollout_refuses_a_row_the_environment_cannot_start_from(tok, tmp_path):
@@ -188,3 +194,32 @@ def test_rollout_refuses_a_row_the_environment_cannot_start_from(tok, tmp_path):
     (ep,) = rollout_episodes(ok, 1, tok=tok, env_cfg=cfg, system_prompt="", max_prompt_tokens=512,
                              max_response_tokens=64, version=0, sample=Scripted(tok, [["done"]]))
     assert "use the tool" in tok.decode(ep.prompt_ids) and json.dumps(ep.loss_mask) == json.dumps([1] * len(ep.response_ids))
+
+
+@pytest.mark.parametrize("template", ["smollm2", "tools_template"])
+def test_sft_on_a_conversation_is_laid_out_as_its_rollout(tok, template):
+    """An SFT row holding a whole conversation (assistant turns with tool calls, the tools' answers)
+    becomes the same tokens and mask as the rollout that produced it: SFT trains on exactly the
+    token layout GRPO later samples (loss on assistant turns only); a row without an assistant turn
+    is refused by name."""
+    from forge_core.actors.generator import sft_episode
+    from forge_core.data import DataError
+
+    if template == "tools_template":
+        tok = tok.__class__.from_pretrained(tok.name_or_path)
+        tok.chat_template = TOOLS_TEMPLATE
+    turns = [call("347 * 829"), call("287663 + 0"), "The answer is 287663."]
+    env = env_cfg(max_turns=4)
+    rolled = rollout_episodes(PROBLEMS[:1], 1, tok=tok, env_cfg=env, system_prompt="Be brief.", max_prompt_tokens=512,
+                              max_response_tokens=400, version=0, sample=Scripted(tok, [[t] for t in turns]))[0]
+    messages = ({"role": "user", "content": PROBLEMS[0].prompt}, {"role": "assistant", "content": turns[0]},
+                {"role": "tool", "content": "287663"}, {"role": "assistant", "content": turns[1]},
+                {"role": "tool", "content": "287663"}, {"role": "assistant", "content": turns[2]})
+    row = dataclasses.replace(PROBLEMS[0], prompt="", messages=messages)
+    sft = sft_episode(tok, row, "", "Be brief.", 512, 400, env)
+    assert (sft.prompt_ids, sft.response_ids, sft.loss_mask) == (rolled.prompt_ids, rolled.response_ids, rolled.loss_mask)
+    assert sft.turns == 3 and sft.text == turns[2] and not sft.truncated
+    cut = sft_episode(tok, row, "", "Be brief.", 512, 30, env)
+    assert cut.truncated and cut.response_ids == sft.response_ids[:30] and cut.loss_mask == sft.loss_mask[:30]
+    with pytest.raises(DataError, match="f.jsonl:0: no assistant turn"):
+        sft_episode(tok, PROBLEMS[0], "", "", 512, 400, env)

@@ -97,3 +97,33 @@ def test_bad_sft_input_is_named(tmp_path):
         load_config("qwen3_1_7b", ["loss=sft", "loss.beta=0", "layout.trainer.gpus=0"])
     with pytest.raises(ConfigError, match=r"loss=sft: beta must be 0"):
         load_config("smollm2_135m_sft", ["loss.beta=0.1"])
+
+
+@pytest.mark.slow
+def test_sft_on_tool_conversations(tmp_path):
+    """SFT on conversations with the calculator tool (``env.fn=tools``): rows of ``messages`` whose
+    assistant turns call the tool; the step trains on the assistant turns alone (``target_tokens``
+    counts those, fewer than the response's tokens); a row without an assistant turn is refused by name
+    before anything is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%d * %d"}}\n</tool_call>'
+    convs = [[{"role": "user", "content": f"What is {a} * {b}?"}, {"role": "assistant", "content": call % (a, b)},
+              {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": f"The answer is {a * b}."}]
+             for a, b in [(347, 829), (12, 13), (41, 59)]]
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"messages": c, "answer": c[2]["content"]}) + "\n"
+                                                     for c in convs))
+    args = ["smollm2_135m_sft", *TINY, "generator.max_response_tokens=96", "env.fn=tools", "data.source=file",
+            f"data.train={data}/train.jsonl", f"data.test={data}/test.jsonl", "data.messages_field=messages",
+            "data.answer_field=answer", "reward.fn=math", "steps=1", f"output_dir={tmp_path}/runs", "run_id=conv"]
+    r = cli_here("run", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = trained(tmp_path / "runs" / "conv")
+    assert 0 < row["target_tokens"] < row["seq_tokens"] and row["loss"] > 0
+
+    (data / "train.jsonl").write_text(json.dumps({"messages": convs[0][:1], "answer": "1"}) + "\n" +
+                                      (data / "train.jsonl").read_text())
+    r = cli_here("run", *args[:-1], "run_id=bad")
+    assert r.returncode == 2 and "train.jsonl:1: no assistant turn in its messages" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "runs" / "bad").exists()

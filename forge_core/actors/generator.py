@@ -20,7 +20,7 @@ from forge_core.actors.process import CoreShare, resolve_dtype, setup_process
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
-from forge_core.rollout import Sampled, resolve_tool_format, rollout_episodes
+from forge_core.rollout import Sampled, has_conversation, resolve_tool_format, rollout_episodes, sft_conversation
 from forge_core.models import hf_config_dict, load_model, load_tokenizer, tokenizer_files
 from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
@@ -153,11 +153,16 @@ def sampling_of(g: Any, sampling: Optional[dict] = None) -> dict:
 
 
 def sft_episode(tok: Any, problem: Problem, target: str, system_prompt: str, max_prompt_tokens: int,
-                max_response_tokens: int) -> Episode:
+                max_response_tokens: int, env_cfg: Optional[dict] = None) -> Episode:
     """An SFT example as an :class:`Episode`: the chat-formatted prompt (left-truncated to
     ``max_prompt_tokens``) and the ``target`` text's tokens plus EOS as the response (cut to
     ``max_response_tokens``; then ``truncated``), advantage 1, behaviour log-probs 0 (unused by
-    ``loss=sft``). Shapes: ``prompt_ids`` [P], ``response_ids`` [R] token ids."""
+    ``loss=sft``). Shapes: ``prompt_ids`` [P], ``response_ids`` [R] token ids. A row whose messages
+    hold assistant turns is a conversation: :func:`forge_core.rollout.sft_conversation` (masked to
+    its assistant turns; the tools of ``env_cfg``'s environment, when set, and then every row must be
+    one: DataError otherwise)."""
+    if has_conversation(problem) or env_cfg:
+        return sft_conversation(tok, problem, system_prompt, env_cfg, max_prompt_tokens, max_response_tokens)
     prompt = tok(chat_prompt(tok, problem, system_prompt), add_special_tokens=False).input_ids[-max_prompt_tokens:]
     response = tok(target, add_special_tokens=False).input_ids + [tok.eos_token_id]
     cut = response[:max_response_tokens]
@@ -263,7 +268,7 @@ class Generator(Actor):
     async def sft_episodes(self, problems: list[Problem], targets: list[str]) -> list[Episode]:
         """The SFT examples ``problems`` with their ``targets`` tokenized (:func:`sft_episode`)."""
         g = self.g
-        return [sft_episode(self.tok, p, t, self.system_prompt, g.max_prompt_tokens, g.max_response_tokens)
+        return [sft_episode(self.tok, p, t, self.system_prompt, g.max_prompt_tokens, g.max_response_tokens, self.env)
                 for p, t in zip(problems, targets)]
 
     @endpoint

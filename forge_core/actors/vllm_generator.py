@@ -435,7 +435,7 @@ class VllmGenerator(Actor):
         from forge_core.actors.generator import sft_episode
 
         g = self.g
-        return [sft_episode(self.tok, p, t, self.system_prompt, g.max_prompt_tokens, g.max_response_tokens)
+        return [sft_episode(self.tok, p, t, self.system_prompt, g.max_prompt_tokens, g.max_response_tokens, self.env)
                 for p, t in zip(problems, targets)]
 
     # ---- weights ------------------------------------------------------------------------------
