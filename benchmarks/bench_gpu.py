@@ -127,12 +127,12 @@ async def section_gen(cfg, prompts) -> list:
         await g.stop(60)
 
 
-async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool = True) -> None:
+async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool = True, repeats: int = 2) -> None:
     """Replica scaling (TP=1 replicas, 1..gpus) and RxT layouts, generators only (dummy weights).
     Two kinds of scaling: strong (the same ``prompts`` over k replicas) and fixed work per replica
     (the first ``len(prompts) // gpus`` prompts, repeated k times over k replicas: exactly k times
     the one replica's tokens, whatever the prompts' lengths).
-    ``replicas=False``: the RxT layouts only."""
+    ``replicas=False``: the RxT layouts only. Each figure is the best of ``repeats`` runs."""
     from omegaconf import OmegaConf
 
     from forge_core.layout import Plan, Slot
@@ -141,7 +141,7 @@ async def section_scale(cfg, prompts, gpus: int, layouts: list, replicas: bool =
     G, R = cfg.generator.group_size, cfg.generator.max_response_tokens
     per = len(prompts) // gpus
 
-    async def measure(replicas: int, tp: int, runs: list, repeats: int = 2) -> list:
+    async def measure(replicas: int, tp: int, runs: list) -> list:
         """``runs``: (replicas used, number of prompts) pairs, a negative number ``-n`` meaning ``n``
         prompts made of the first ``per`` repeated; the best of ``repeats`` of each."""
         c = OmegaConf.merge(cfg, {"layout": {"gpus_per_node": gpus}})
@@ -459,7 +459,7 @@ async def bench(a) -> None:
     eps = await section_gen(cfg, prompts) if "gen" in secs else []
     if "scale" in secs or "layouts" in secs:  # layouts: only the --layouts engines, no replica scaling
         layouts = [x for x in a.layouts.split(",") if x]
-        await section_scale(cfg, prompts_of(cfg, 16 * a.gpus), a.gpus, layouts, "scale" in secs)
+        await section_scale(cfg, prompts_of(cfg, 16 * a.gpus), a.gpus, layouts, "scale" in secs, a.repeats)
     if "train" in secs:
         await section_train(cfg, eps, a.train_gpus, tuple(x == "1" for x in a.train_ac.split(",")), a.train_steps,
                             bool(a.anchor))
@@ -480,6 +480,7 @@ def main() -> int:
                    help="train section: timed steps per side (the best counts), after one untimed (the anchor's compiles)")
     p.add_argument("--train-ac", default="0,1", help="train section: activation checkpointing settings to run (0/1)")
     p.add_argument("--anchor", type=int, default=1, help="train section: 0 times the trainer alone (no anchor)")
+    p.add_argument("--repeats", type=int, default=2, help="scale/layouts sections: each figure the best of this many runs")
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))
     p.add_argument("--out", default="")
     p.add_argument("overrides", nargs="*")

@@ -38,7 +38,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     scale)
-      timeout 560 python3 -m benchmarks.bench_gpu --model qwen3_8b --gpus 4 --sections scale --layouts 2x2 \
+      timeout 560 python3 -m benchmarks.bench_gpu --model qwen3_8b --gpus 4 --sections scale --layouts 2x2 --repeats 1 \
         --out "$OUT/scale_8b.json" 2>&1 | tee "$OUT/scale_8b.log" | grep "^|\|Error" ;;
     layout4)
       name=qwen3_8b_4gpu
