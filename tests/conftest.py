@@ -93,7 +93,7 @@ def _is_fixture(f: ast.FunctionDef) -> tuple[bool, bool]:
         kw = {k.arg: k.value for k in (call.keywords if call else [])}
         scope = kw["scope"].value if isinstance(kw.get("scope"), ast.Constant) else "function"
         autouse = isinstance(kw.get("autouse"), ast.Constant) and kw["autouse"].value
-        return True, scope in ("module", "package", "session") and not autouse
+        return True, scope not in ("function", "class") and not autouse
     return False, False
 
 
