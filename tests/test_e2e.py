@@ -112,6 +112,7 @@ def test_cli_run_outputs_and_resume(tmp_path):
     assert all(r["gen_s"] > 0 and r["ref_s"] > 0 for r in got), got  # every row: its rollout's timings
     # a quiet console on a CPU machine: the dtype and threads are announced, nothing looks like an error
     assert "dtype auto ->" in out and "threads" in out, out[-3000:]
+    assert "weight sync: generator (node 0) <- trainer (node 0): ipc (auto: same host)" in out, out[-3000:]
     for noise in ("[RdmaXcel]", "libcuda.so", "terminate called", "Traceback"):
         assert noise not in out, (noise, out[-3000:])
     assert (run_dir / "reward.png").stat().st_size > 1000
