@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 from functools import cache
+from typing import Optional
 
 import pytest
 
@@ -63,10 +64,11 @@ def slurm_dev_prereqs():
 # id, which pytest 9.2 no longer lets a plugin change: with pytest 9.2 and pytest-xdist 3.8 the marks
 # are silently ignored and every test is scheduled alone
 # (https://github.com/pytest-dev/pytest-xdist/issues/1386). The tests of a module that use one of its
-# module-scoped fixtures (an end-to-end run several tests look at) are one unit of work too, so that the
-# run is made once, on one worker (``shared_fixture_users``). A machine-wide module also holds a lock file while it
-# runs (``machine_lock``): another pytest run on this machine (another checkout, or workers that do
-# not group: ``--dist load``) waits for it instead of taking those resources away mid-test.
+# module-scoped fixtures (an end-to-end run several tests look at) are one unit of work too, so that
+# the run is made once, on one worker (``shared_fixture_users``). A machine-wide module also holds a
+# lock file while it runs (``machine_lock``): another pytest run on this machine (another checkout,
+# or workers that do not group: ``--dist load``) waits for it instead of taking those resources away
+# mid-test.
 MACHINE_GROUP = "machine"
 MACHINE_LOCK = os.path.join(tempfile.gettempdir(), "forge-recipes-machine-tests.lock")
 MACHINE_WIDE = re.compile(r"netns|fr-node|cluster/dev|slurm_dev_prereqs|FORGE_MONARCH_PORT"
@@ -83,8 +85,9 @@ def uses_the_machine(path: str) -> bool:
         return False
 
 
-def _is_fixture(f: ast.FunctionDef) -> tuple[bool, bool]:
-    """``(is a pytest fixture, its scope is wider than a test's and it is not autouse)``."""
+def _shared_fixture(f: ast.FunctionDef) -> Optional[bool]:
+    """None when ``f`` is no pytest fixture; else whether it outlives a test (module scope or wider)
+    without being autouse."""
     for d in f.decorator_list:
         call = d if isinstance(d, ast.Call) else None
         target = call.func if call else d
@@ -93,8 +96,8 @@ def _is_fixture(f: ast.FunctionDef) -> tuple[bool, bool]:
         kw = {k.arg: k.value for k in (call.keywords if call else [])}
         scope = kw["scope"].value if isinstance(kw.get("scope"), ast.Constant) else "function"
         autouse = isinstance(kw.get("autouse"), ast.Constant) and kw["autouse"].value
-        return True, scope not in ("function", "class") and not autouse
-    return False, False
+        return scope not in ("function", "class") and not autouse
+    return None
 
 
 @cache
@@ -108,8 +111,8 @@ def shared_fixture_users(path: str) -> frozenset:
         return frozenset()
     funcs = [f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
     params = {f.name: {a.arg for a in f.args.args} for f in funcs}
-    fixtures = {f.name: _is_fixture(f) for f in funcs if _is_fixture(f)[0]}
-    shared = {name for name, (_, wide) in fixtures.items() if wide}
+    fixtures = {f.name: s for f in funcs if (s := _shared_fixture(f)) is not None}
+    shared = {name for name, s in fixtures.items() if s}
     while grown := {n for n in fixtures if n not in shared and params[n] & shared}:
         shared |= grown
     return frozenset(f.name for f in funcs if f.name.startswith("test") and params[f.name] & shared)
