@@ -28,6 +28,7 @@ help:
 	@echo "make sky RECIPE=... [DRY_RUN=1] [CKPT_BUCKET=...] [MANAGED=1]       sky launch the recipe's task"
 	@echo "make sky-dryrun RECIPE=...                                          make sky DRY_RUN=1"
 	@echo "make sky-down RECIPE=...                                            tear its cluster down"
+	@echo "make sky-yaml [RECIPE=...]                                          write sky.yaml from config.yaml (all recipes without RECIPE)"
 	@echo "make bench                                                          GPU benchmark table (GPU machine)"
 	@echo "make gpu-check                                                      GPU check with real actors (GPU machine)"
 
@@ -128,10 +129,12 @@ dev-cluster-down:
 #          [DRY_RUN=1] [ARGS='overrides']   sky launch (or sky jobs launch), --secret for each of
 #                                           HF_TOKEN / WANDB_API_KEY set here; DRY_RUN prints the task
 # make sky-down RECIPE=<name> [CLUSTER_NAME=...]   sky down the recipe's cluster
+# make sky-yaml [RECIPE=<name>]   write recipes/<name>/sky.yaml from its config.yaml (launch/sky_task.py);
+#                                 without RECIPE on the command line, every recipe's
 CLUSTER_NAME ?=
 CKPT_BUCKET ?=
 MANAGED ?=
-.PHONY: sky sky-dryrun sky-down
+.PHONY: sky sky-dryrun sky-down sky-yaml
 
 sky: venv-extras
 	$(PY) -m launch.sky launch $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME)) \
@@ -140,6 +143,9 @@ sky: venv-extras
 
 sky-dryrun:
 	@$(MAKE) --no-print-directory sky DRY_RUN=1
+
+sky-yaml: venv
+	$(PY) -m launch.sky_task $(if $(filter command line,$(origin RECIPE)),$(RECIPE),--all)
 
 sky-down: venv-extras
 	$(PY) -m launch.sky down $(RECIPE) $(if $(CLUSTER_NAME),--cluster $(CLUSTER_NAME))

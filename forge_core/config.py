@@ -138,10 +138,15 @@ class GeneratorLayout:
 
 @dataclass
 class LayoutConfig:
-    """Placement of services on the allocation (``nodes`` x ``gpus_per_node``)."""
+    """Placement of services on the allocation (``nodes`` x ``gpus_per_node``). What a cloud task
+    asks for besides (``launch/sky_task.py`` writes the recipe's ``sky.yaml`` from them): the GPU types
+    a node may have, any one of them (``accelerators``), and each node's disk in GB (``disk_gb``; 0:
+    64 on a CPU recipe, 256 with GPUs)."""
 
     nodes: int = 1
     gpus_per_node: int = 0
+    accelerators: List[str] = field(default_factory=lambda: ["H100", "H200"])
+    disk_gb: int = 0
     generator: GeneratorLayout = field(default_factory=GeneratorLayout)
     trainer: ServiceLayout = field(default_factory=ServiceLayout)
     reference: ServiceLayout = field(default_factory=ServiceLayout)
@@ -309,7 +314,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "env.python_memory_mb", "env.python_max_processes")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
-                    "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.trainer.gpus",
+                    "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.disk_gb", "layout.trainer.gpus",
                     "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host",
                     "eval.every", "eval.temperature", "env.max_turn_tokens")
     fractions = ("generator.top_p", "generator.gpu_memory_utilization", "eval.top_p")

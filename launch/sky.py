@@ -5,6 +5,7 @@
 
 What the task runs on the cluster's nodes, its environment and how it finds its recipe:
 :mod:`launch.sky_node`. The client-side admin policy of a plain ``sky launch``: :mod:`launch.sky_policy`.
+The task files themselves are written from the recipes' configs by :mod:`launch.sky_task` (``make sky-yaml``).
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def layout_mismatch(task, cfg, task_file: str, forge_args: str = "") -> Optional
         bad.append(f"resources ask for {per_node:g} accelerator(s) per node, layout.gpus_per_node is {gpus}")
     if not bad:
         return None
+    write = f"`make sky-yaml RECIPE={relpath(os.path.dirname(os.path.abspath(task_file)))}`"
     how = (f"the overrides {forge_args!r} change the layout, and the task file must match it (copy the recipe "
-           f"folder and edit both files)" if "layout" in forge_args else "edit it to match the recipe's config")
+           f"folder, set the layout in its config.yaml and write its task file with make sky-yaml RECIPE=<copy>)"
+           if "layout" in forge_args else f"write it again from the recipe's config with {write}")
     return f"{relpath(task_file)} does not ask for the recipe's layout: {'; '.join(bad)}; {how}"
 
 
@@ -138,7 +141,8 @@ def launch(recipe_or_yaml: str, cluster: Optional[str] = None, bucket: Optional[
             folder = recipe_dir(recipe_or_yaml)
             yaml_path = os.path.join(folder, "sky.yaml")
             if not os.path.isfile(yaml_path):
-                raise SkyError(f"recipe {recipe_or_yaml!r} has no sky.yaml ({yaml_path})")
+                raise SkyError(f"recipe {recipe_or_yaml!r} has no sky.yaml ({yaml_path}): write it from its "
+                               f"config.yaml with `make sky-yaml RECIPE={relpath(folder)}`")
         rel = relpath(folder)
         cfg = load_config(folder, shlex.split(forge_args))
         if gated := gated_without_token(cfg.model, env):

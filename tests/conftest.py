@@ -4,6 +4,7 @@ still runs every test end to end (the tests use a random tiny model and do not n
 Also the shared skip conditions of the SLURM dev-cluster tests (``slurm_dev_prereqs``), and the
 grouping of the tests that use this machine's one-of-a-kind resources for pytest-xdist."""
 
+import ast
 import fcntl
 import json
 import os
@@ -13,6 +14,7 @@ import shutil
 import tempfile
 import time
 from functools import cache
+from typing import Optional
 
 import pytest
 
@@ -61,9 +63,12 @@ def slurm_dev_prereqs():
 # module: xdist's own ``xdist_group`` marks travel to its scheduler as a suffix of the test's node
 # id, which pytest 9.2 no longer lets a plugin change: with pytest 9.2 and pytest-xdist 3.8 the marks
 # are silently ignored and every test is scheduled alone
-# (https://github.com/pytest-dev/pytest-xdist/issues/1386). Such a module also holds a lock file while it
-# runs (``machine_lock``): another pytest run on this machine (another checkout, or workers that do
-# not group: ``--dist load``) waits for it instead of taking those resources away mid-test.
+# (https://github.com/pytest-dev/pytest-xdist/issues/1386). The tests of a module that use one of its
+# module-scoped fixtures (an end-to-end run several tests look at) are one unit of work too, so that
+# the run is made once, on one worker (``shared_fixture_users``). A machine-wide module also holds a
+# lock file while it runs (``machine_lock``): another pytest run on this machine (another checkout,
+# or workers that do not group: ``--dist load``) waits for it instead of taking those resources away
+# mid-test.
 MACHINE_GROUP = "machine"
 MACHINE_LOCK = os.path.join(tempfile.gettempdir(), "forge-recipes-machine-tests.lock")
 MACHINE_WIDE = re.compile(r"netns|fr-node|cluster/dev|slurm_dev_prereqs|FORGE_MONARCH_PORT"
@@ -80,9 +85,44 @@ def uses_the_machine(path: str) -> bool:
         return False
 
 
+def _shared_fixture(f: ast.FunctionDef) -> Optional[bool]:
+    """None when ``f`` is no pytest fixture; else whether it outlives a test (module scope or wider)
+    without being autouse."""
+    for d in f.decorator_list:
+        call = d if isinstance(d, ast.Call) else None
+        target = call.func if call else d
+        if (target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)) != "fixture":
+            continue
+        kw = {k.arg: k.value for k in (call.keywords if call else [])}
+        scope = kw["scope"].value if isinstance(kw.get("scope"), ast.Constant) else "function"
+        autouse = isinstance(kw.get("autouse"), ast.Constant) and kw["autouse"].value
+        return scope not in ("function", "class") and not autouse
+    return None
+
+
+@cache
+def shared_fixture_users(path: str) -> frozenset:
+    """The names of the test functions of the module at ``path`` that use one of the module's own
+    module-scoped fixtures (autouse ones aside), directly or through another fixture of the module."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return frozenset()
+    funcs = [f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    params = {f.name: {a.arg for a in f.args.args} for f in funcs}
+    fixtures = {f.name: s for f in funcs if (s := _shared_fixture(f)) is not None}
+    shared = {name for name, s in fixtures.items() if s}
+    while grown := {n for n in fixtures if n not in shared and params[n] & shared}:
+        shared |= grown
+    return frozenset(f.name for f in funcs if f.name.startswith("test") and params[f.name] & shared)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup``: xdist's load-scope scheduling with every test its own unit of work but
-    the machine-wide modules' tests, which are one (the largest unit, so it starts first)."""
+    the machine-wide modules' tests, which are one (the largest unit, so it starts first), and the
+    tests of a module that share one of its module-scoped fixtures (``shared_fixture_users``), one
+    unit per module."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -93,7 +133,11 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist_group suffix (where pytest keeps it)
                 return nodeid.split("@")[-1]
-            return MACHINE_GROUP if uses_the_machine(os.path.join(root, nodeid.split("::")[0])) else nodeid
+            path = os.path.join(root, nodeid.split("::")[0])
+            if uses_the_machine(path):
+                return MACHINE_GROUP
+            test = nodeid.split("::")[-1].split("[")[0]
+            return f"{nodeid.split('::')[0]}::shared" if test in shared_fixture_users(path) else nodeid
 
     return MachineGroupScheduling(config, log)
 

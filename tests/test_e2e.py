@@ -3,8 +3,10 @@
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -110,6 +112,7 @@ def test_cli_run_outputs_and_resume(tmp_path):
     assert all(r["gen_s"] > 0 and r["ref_s"] > 0 for r in got), got  # every row: its rollout's timings
     # a quiet console on a CPU machine: the dtype and threads are announced, nothing looks like an error
     assert "dtype auto ->" in out and "threads" in out, out[-3000:]
+    assert "weight sync: generator (node 0) <- trainer (node 0): ipc (auto: same host)" in out, out[-3000:]
     for noise in ("[RdmaXcel]", "libcuda.so", "terminate called", "Traceback"):
         assert noise not in out, (noise, out[-3000:])
     assert (run_dir / "reward.png").stat().st_size > 1000
@@ -211,30 +214,92 @@ class TwoTurns(BaseTextEnv):
 """
 
 
-def test_multi_turn_run_trains_masked_episodes_and_resumes_exactly(tmp_path):
-    """A multi-turn run through every actor with an environment written for skyrl-gym (two turns,
-    a reward from each turn's text): masked episodes train, the per-step multi-turn metrics and the
-    held-out evaluation go through the environment, and a run stopped after step 2 and resumed trains
-    step 3 on the same batch to the same loss as an uninterrupted one (max_staleness 0: no batch is
-    generated ahead of a checkpoint)."""
-    (tmp_path / "env.py").write_text(TWO_TURNS_ENV)
-    args = [f"env.fn={tmp_path}/env.py:TwoTurns", "env.max_turns=2", "env.max_turn_tokens=12", "max_staleness=0",
-            "generator.max_response_tokens=48", "reward.fn=none", "checkpoint.every=2", "eval.at_start=true",
-            "eval.num_questions=4", "generator.dtype=float32"]
-    rc, out = run(args + ["steps=3"], "whole", tmp_path)
-    assert rc == 0, out[-3000:]
-    whole = [r for r in rows(tmp_path / "whole") if "loss" in r]
+# One set of runs that several tests below look at (each checks its own thing about them; the module's
+# tests that use it are one unit of work under pytest-xdist, tests/conftest.py): a multi-turn GRPO run
+# with LoRA adapters through every actor, uninterrupted with held-out evaluation at every step, and the
+# same run without evaluation stopped after step 2 and resumed from its step-2 checkpoint.
+RESUMED = ["env.max_turns=2", "env.max_turn_tokens=12", "generator.max_response_tokens=48", "reward.fn=none",
+           "trainer.lora.rank=4", "max_staleness=0", "checkpoint.every=2", "generator.dtype=float32",
+           "trainer.compute_dtype=float32"]
+EVERY_STEP_EVAL = ["eval.every=1", "eval.at_start=true", "eval.num_questions=3", "eval.samples=2", "eval.temperature=1.0"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Runs under one directory (``.dir``; the environment file ``env.py`` beside them): ``whole``, 3
+    steps with evaluation at the start and after every step (2 samples at temperature 1); ``cut``, the
+    same without evaluation run to step 2, then the same run id to step 3 (a resume from its step-2
+    checkpoint). The environment (skyrl-gym's interface, two model turns, a reward from each turn's
+    text) gives groups advantages, so the adapters learn. ``max_staleness=0``: with 1, the 3-step run
+    samples its third batch with version 1 while step 2 trains, which a run told to stop at step 2
+    never does (its resume samples that batch with version 2). fp32: the comparisons are exact."""
+    d = tmp_path_factory.mktemp("resumed")
+    (d / "env.py").write_text(TWO_TURNS_ENV)
+    args = [f"env.fn={d}/env.py:TwoTurns", *RESUMED]
+    for extra, run_id in ((EVERY_STEP_EVAL + ["steps=3"], "whole"), (["steps=2"], "cut"), (["steps=3"], "cut")):
+        rc, out = run(args + extra, run_id, d)
+        assert rc == 0, out[-3000:]
+    return SimpleNamespace(dir=d, args=args)
+
+
+def trained(run_dir) -> list[dict]:
+    """The training rows of a run's metrics.jsonl (the held-out evaluation's rows left out)."""
+    return [r for r in rows(run_dir) if "batch_hash" in r]
+
+
+def test_multi_turn_episodes_train_masked_and_evaluate_through_the_environment(resumed):
+    """Masked episodes train (the environment's turn is masked out of the loss), the per-step
+    multi-turn metrics are logged, and the held-out evaluation runs its episodes through the environment."""
+    whole = trained(resumed.dir / "whole")
     assert [r["step"] for r in whole] == [1, 2, 3]
     for r in whole:
-        assert r["turns_mean"] == 2.0 and 0.1 < r["masked_frac"] < 0.9, r  # the environment's turn is masked
+        assert r["turns_mean"] == 2.0 and 0.1 < r["masked_frac"] < 0.9, r
         assert r["loss"] != 0.0 and r["reward/env"] > 0 and r["tool_calls_mean"] == 0.0, r
-    (ev,) = [r for r in rows(tmp_path / "whole") if "eval/pass@1" in r]
-    assert ev["eval/turns_mean"] == 2.0 and ev["eval/masked_frac"] > 0.1
-    rc, out = run(args + ["steps=2"], "cut", tmp_path)
-    assert rc == 0, out[-3000:]
-    rc, out = run(args + ["steps=3"], "cut", tmp_path)
-    assert rc == 0, out[-3000:]
-    cut = [r for r in rows(tmp_path / "cut") if "loss" in r]
+    evals = [r for r in rows(resumed.dir / "whole") if "eval/pass@1" in r]
+    assert evals and all(e["eval/turns_mean"] == 2.0 and e["eval/masked_frac"] > 0.1 for e in evals), evals
+
+
+def test_a_resumed_run_trains_what_the_uninterrupted_one_trains(resumed):
+    """The run stopped after step 2 and resumed trains step 3 on the same batch (``batch_hash``) to the
+    same loss and gradient norm as the uninterrupted run, and logs each step once."""
+    whole, cut = trained(resumed.dir / "whole"), trained(resumed.dir / "cut")
     assert [r["step"] for r in cut] == [1, 2, 3]
     for a, b in zip(whole, cut):
         assert a["batch_hash"] == b["batch_hash"] and a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a["step"], a["grad_norm"], b["grad_norm"])
+    assert any(r["grad_norm"] > 0 for r in whole)
+
+
+def test_evaluation_does_not_change_the_training_batches(resumed):
+    """The run with evaluation at every step (sampled, 2 samples) trains on the batches of the run
+    without it, to the same losses: evaluation uses its own seed and no rollout state. Its rows come at
+    the start and after each step, with the version evaluated."""
+    got = rows(resumed.dir / "whole")
+    assert [(r["step"], r["eval/policy_version"]) for r in got if "eval/pass@1" in r] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert not [r for r in rows(resumed.dir / "cut") if "eval/pass@1" in r]
+    whole, cut = trained(resumed.dir / "whole"), trained(resumed.dir / "cut")
+    assert [r["batch_hash"] for r in whole[:2]] == [r["batch_hash"] for r in cut[:2]]  # both from the start
+    assert [r["loss"] for r in whole[:2]] == [r["loss"] for r in cut[:2]]
+
+
+def test_a_lora_run_syncs_merged_weights_and_writes_the_adapter(resumed):
+    """With LoRA: every row reports the merged weights' bytes moved (the whole model in fp32, tied
+    embeddings once), the reference is the trainer's process (its base model), and final/ holds the
+    merged model and the adapter."""
+    from forge_core import titan
+
+    n_bytes = sum(v.numel() * 4 for v in titan.build_model(titan.titan_model_args("tiny_llama"),
+                                                            torch.device("cpu")).parameters())
+    whole = trained(resumed.dir / "whole")
+    assert all(r["weight_sync_bytes"] == n_bytes for r in whole[1:]), [r["weight_sync_bytes"] for r in whole]
+    actors = json.loads((resumed.dir / "whole" / "actors.json").read_text())
+    assert actors["reference"]["pid"] == actors["trainer"]["pid"]
+    final = resumed.dir / "whole" / "final"
+    assert (final / "model.safetensors").is_file() and (final / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_resuming_a_lora_run_without_lora_is_refused(resumed):
+    """A copy of the resumed LoRA run, resumed with ``trainer.lora.rank=0``: refused, naming the key."""
+    shutil.copytree(resumed.dir / "cut", resumed.dir / "no_lora")
+    rc, out = run(resumed.args + ["steps=4", "trainer.lora.rank=0"], "no_lora", resumed.dir)
+    assert rc != 0 and "holds LoRA adapters (trainer.lora.rank=4" in out, out[-3000:]

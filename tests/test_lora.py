@@ -3,8 +3,8 @@ reference; rank 0 and zero-initialised adapters give the base model bit for bit,
 model with its adapters off (the reference); the merged weights (what generators get) and PEFT's
 format of ``final/adapter/`` (loaded with ``peft``); FSDP2 on two gloo ranks; the trainer's optimizer
 holds the adapters only; checkpoints resume exactly and refuse another LoRA setting; bad input names
-the key. The slow tests run real actors: a generator after a sync holds the trainer's merged model,
-and a LoRA run resumed from its checkpoint equals the uninterrupted run."""
+the key. The slow test runs real actors: a generator after a sync holds the trainer's merged model. A
+LoRA run through the CLI, resumed from its checkpoint, is one of tests/test_e2e.py's shared runs."""
 
 import asyncio
 import json
@@ -501,41 +501,3 @@ def test_generator_after_a_sync_holds_the_trainers_merged_model():
     assert [o["response_ids"] for o in outs] == [e.response_ids for e in greedy]
     for o, e in zip(outs, greedy):
         assert max(abs(a - b) for a, b in zip(o["logprobs"], e.behaviour_logprobs)) < 1e-4
-
-
-def _rows(run_dir) -> list:
-    """The training rows of a run's metrics.jsonl (the held-out evaluation's rows left out)."""
-    return [r for r in helpers.rows(run_dir) if "batch_hash" in r]
-
-
-@pytest.mark.slow
-def test_a_lora_run_resumes_exactly_and_refuses_a_full_fine_tune_resume(tmp_path):
-    """GRPO with LoRA through the CLI (a reward that varies with the response, so the adapters
-    learn): 2 steps then the same run resumed to 4 (from its step-2 checkpoint) equal an
-    uninterrupted 4-step run (batch hashes, losses, grad norms); every row reports the merged weights'
-    bytes moved; final/ holds the merged model and the adapter; resuming the run without LoRA is
-    refused naming trainer.lora.rank. ``max_staleness=0``: with 1, the 4-step run samples its third
-    batch with version 1 while step 2 trains, which a run told to stop at step 2 never does (its
-    resume samples that batch with version 2)."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("def score(response, example):\n    return float(len(response) % 3 == 0)\n")
-    out = tmp_path / "runs"
-    common = ["run", "smollm2_135m", *TINY, f"output_dir={out}", "checkpoint.every=2", "trainer.lora.rank=4",
-              f"reward.fn={reward}:score", "max_staleness=0"]
-    for args in (["steps=4", "run_id=whole"], ["steps=2", "run_id=cut"], ["steps=4", "run_id=cut"]):
-        r = helpers.cli(*common, *args)
-        assert r.returncode == 0, r.stderr[-3000:]
-    whole, cut = _rows(out / "whole"), _rows(out / "cut")
-    assert [x["step"] for x in cut] == [1, 2, 3, 4]
-    assert [x["batch_hash"] for x in cut] == [x["batch_hash"] for x in whole]
-    assert [x["loss"] for x in cut] == pytest.approx([x["loss"] for x in whole], rel=1e-5)
-    assert [x["grad_norm"] for x in cut] == pytest.approx([x["grad_norm"] for x in whole], rel=1e-5)
-    assert any(x["grad_norm"] > 0 for x in whole)
-    n_bytes = sum(v.numel() * 4 for v in titan.build_model(titan.titan_model_args("tiny_llama"), CPU).parameters())
-    assert all(x["weight_sync_bytes"] == n_bytes for x in whole[1:])  # the merged model in fp32 (tied: once)
-    actors = json.loads((out / "whole" / "actors.json").read_text())
-    assert actors["reference"]["pid"] == actors["trainer"]["pid"]
-    final = out / "whole" / "final"
-    assert (final / "model.safetensors").is_file() and (final / "adapter" / "adapter_model.safetensors").is_file()
-    r = helpers.cli(*common, "steps=6", "run_id=cut", "trainer.lora.rank=0")
-    assert r.returncode != 0 and "holds LoRA adapters (trainer.lora.rank=4" in r.stderr + r.stdout, r.stderr[-3000:]

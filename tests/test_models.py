@@ -178,7 +178,8 @@ def test_tokenizer_files_are_the_tokenizer_not_the_last_calls_truncation(tmp_pat
 def test_actor_processes_load_models_without_progress_bars(tmp_path):
     """transformers prints a "Loading weights" bar for each ``from_pretrained``; setup_process (every
     actor runs it first) turns transformers' bars off, so actors loading at once do not fill the
-    console. In a fresh process each: setup_process changes process-wide state."""
+    console. In a fresh process: a load before setup_process (what the console showed per actor), then
+    one after it (setup_process changes process-wide state, so it comes second)."""
     import subprocess
     import sys
 
@@ -190,14 +191,16 @@ def test_actor_processes_load_models_without_progress_bars(tmp_path):
 import sys
 from forge_core.actors.process import setup_process
 from forge_core.models import ModelConfig, load_model
-if sys.argv[2] == "actor":
-    setup_process(1, 0)
+load_model(ModelConfig(name="smollm2_135m", path=sys.argv[1]))
+print("--- setup_process ---", file=sys.stderr, flush=True)
+setup_process(1, 0)
 load_model(ModelConfig(name="smollm2_135m", path=sys.argv[1]))
 """
-    err = {how: subprocess.run([sys.executable, "-c", load, str(tmp_path), how], capture_output=True, text=True,
-                               timeout=120, check=True).stderr for how in ("plain", "actor")}
-    assert "Loading weights" in err["plain"], err["plain"]  # what the console showed per actor
-    assert "Loading weights" not in err["actor"] and "it/s" not in err["actor"], err["actor"]
+    err = subprocess.run([sys.executable, "-c", load, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, check=True).stderr
+    plain, actor = err.split("--- setup_process ---\n")
+    assert "Loading weights" in plain, plain  # what the console showed per actor
+    assert "Loading weights" not in actor and "it/s" not in actor, actor
 
 
 def test_the_gguf_is_dequantised_once_when_actors_ask_at_the_same_time(tmp_path, monkeypatch):

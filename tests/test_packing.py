@@ -236,17 +236,27 @@ def test_bf16_autocast_smoke():
     assert all(torch.isfinite(p.grad).all() for p in packed.parameters() if p.grad is not None)
 
 
-def _sharded_worker(rank, kind, tp, init_file):
-    """One of 2 gloo ranks: TorchTitan's own parallelize (FSDP2 when tp=1, TP when tp=2, fp32
-    params) vs an unsharded copy of the same weights; packed logprobs and grads must agree."""
+def _sharded_worker(rank, cases, init_file):
+    """One of 2 gloo ranks, for each ``(kind, tp)`` of ``cases`` in turn: TorchTitan's own parallelize
+    (FSDP2 when tp=1, TP when tp=2, fp32 params) vs an unsharded copy of the same weights; packed
+    logprobs and grads must agree."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as pdm
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import distribute_tensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     pdm.device_type = "cpu"  # TorchTitan assumes CUDA when no accelerator is found
+    for kind, tp in cases:
+        _sharded_case(kind, tp)
+    dist.destroy_process_group()
+
+
+def _sharded_case(kind: str, tp: int) -> None:
+    """:func:`_sharded_worker`'s check for one model kind and TP degree (the process group is up)."""
+    import torchtitan.distributed.parallel_dims as pdm
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import distribute_tensor
+
     spec = _spec(kind)
     jc = titan.job_config(128, ac=False, tp=tp)
     jc.training.mixed_precision_param = "float32"
@@ -276,15 +286,15 @@ def _sharded_worker(rank, kind, tp, init_file):
     for n, p in m.named_parameters():
         g = p.grad.full_tensor() / (2 // tp)  # FSDP summed the two ranks' identical grads
         assert (g - sd[titan.clean_name(n)].grad).abs().max() < 1e-5, n
-    dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind,tp", [("qwen3", 1), ("llama3", 2)])
-def test_fsdp2_and_tp_fallback_on_two_gloo_ranks(kind, tp, tmp_path):
-    """FSDP2: chunked logprobs run inside ``model.output`` with the unsharded weight; TP: the
-    DTensor full-logits fallback. (TP with Qwen3 hands DTensors to the CPU dense attention: not
-    covered; TorchTitan's tied-embedding FSDP fails in parallelize on torch 2.13.)"""
-    torch.multiprocessing.spawn(_sharded_worker, args=(kind, tp, str(tmp_path / "init")), nprocs=2)
+def test_fsdp2_and_tp_fallback_on_two_gloo_ranks(tmp_path):
+    """FSDP2 (Qwen3, tp=1): chunked logprobs run inside ``model.output`` with the unsharded weight;
+    TP (Llama 3, tp=2): the DTensor full-logits fallback; both in one pair of rank processes. (TP with
+    Qwen3 hands DTensors to the CPU dense attention: not covered; TorchTitan's tied-embedding FSDP
+    fails in parallelize on torch 2.13.)"""
+    torch.multiprocessing.spawn(_sharded_worker, args=([("qwen3", 1), ("llama3", 2)], str(tmp_path / "init")),
+                                nprocs=2)
 
 
 # ---- GPU (marker ``gpu``; skipped without CUDA): the flex path as the trainer runs it --------------

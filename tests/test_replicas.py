@@ -1,6 +1,7 @@
 """Several generator replicas in real CPU runs with the tiny random Llama: dispatch through the real
-Controller and its actors (whole groups per replica, problem order, each episode's version), and CLI
-runs with three replicas (the staleness bound) and with the nccl (gloo) transport to two replicas."""
+Controller and its actors (whole groups per replica, problem order, each episode's version, the ipc
+route to each), and one CLI run with three replicas that two tests look at: the staleness bound, and
+the nccl (gloo) transport to every replica."""
 
 import asyncio
 import json
@@ -92,12 +93,23 @@ def test_replicas_dispatch_through_controller(tmp_path):
     asyncio.run(go())
 
 
-def test_cli_three_replicas_staleness_bound(tmp_path):
+@pytest.fixture(scope="module")
+def three_replicas(tmp_path_factory):
+    """One CLI run the tests below look at: three replicas, ``max_staleness=1``, 3 prompts a step, 4
+    steps, weights sent over the nccl transport (gloo on a CPU; 1 MiB buckets), each replica joining
+    the group as its own member. ``(run directory, its console output, seconds)``."""
+    out = tmp_path_factory.mktemp("replicas")
     t0 = time.perf_counter()
-    rc, out = run(["layout.generator.replicas=3", "max_staleness=1", "prompts_per_step=3", "steps=4"], "rep3", tmp_path)
-    assert rc == 0, out[-3000:]
-    got = rows(tmp_path / "rep3")
-    print(f"\n[scale] 3 replicas, S=1: {time.perf_counter() - t0:.0f} s; per step (staleness_max, gen_replicas, "
+    rc, text = run(["layout.generator.replicas=3", "max_staleness=1", "prompts_per_step=3", "steps=4",
+                    "weight_sync.transport=nccl", "weight_sync.bucket_mb=1"], "rep3", out)
+    assert rc == 0, text[-3000:]
+    return out / "rep3", text, time.perf_counter() - t0
+
+
+def test_cli_three_replicas_staleness_bound(three_replicas):
+    run_dir, out, seconds = three_replicas
+    got = rows(run_dir)
+    print(f"\n[scale] 3 replicas, S=1: {seconds:.0f} s; per step (staleness_max, gen_replicas, "
           f"generator_version): {[(r['staleness_max'], r['gen_replicas'], r['generator_version']) for r in got]}")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert all(r["staleness_max"] <= 1 for r in got)
@@ -105,26 +117,22 @@ def test_cli_three_replicas_staleness_bound(tmp_path):
     # after a weight sync the batch goes over the replicas, not all to the first one to load the new version
     assert sum(r["gen_replicas"] for r in got[1:]) / len(got[1:]) >= 2, [r["gen_replicas"] for r in got]
     assert got[-1]["policy_version"] == 4
-    actors = json.loads((tmp_path / "rep3" / "actors.json").read_text())
+    actors = json.loads((run_dir / "actors.json").read_text())
     assert {"generator_0", "generator_1", "generator_2"} <= set(actors)
-    assert out.count("weight sync: generator_") == 3 and out.count(": ipc (auto: same host)") == 3
 
 
-def test_cli_nccl_transport_two_replicas(tmp_path):
-    """weight_sync.transport=nccl on one machine: each replica joins the gloo group as its own member."""
-    t0 = time.perf_counter()
-    rc, out = run(["layout.generator.replicas=2", "weight_sync.transport=nccl", "weight_sync.bucket_mb=1",
-                   "steps=3"], "nccl", tmp_path)
-    assert rc == 0, out[-3000:]
-    got = rows(tmp_path / "nccl")
-    print(f"\n[scale] nccl (gloo), 2 replicas: {time.perf_counter() - t0:.0f} s; weight_transfer_s "
-          f"{[round(r['weight_transfer_s'], 3) for r in got]}, exposed {[round(r['weight_sync_exposed_s'], 4) for r in got]}")
-    assert [r["step"] for r in got] == [1, 2, 3]
+def test_cli_nccl_transport_to_every_replica(three_replicas):
+    """weight_sync.transport=nccl on one machine: each replica joins the gloo group as its own member,
+    every step moves weights, and every process's staging buffer is gone from /dev/shm after the run.
+    (The same-host default, ipc to each of three replicas: test_replicas_dispatch_through_controller.)"""
+    run_dir, out, _ = three_replicas
+    got = rows(run_dir)
+    print(f"\n[scale] nccl (gloo), 3 replicas: weight_transfer_s {[round(r['weight_transfer_s'], 3) for r in got]}, "
+          f"exposed {[round(r['weight_sync_exposed_s'], 4) for r in got]}")
     assert all(r["weight_transfer_s"] > 0 for r in got)
-    assert all(r["staleness_max"] <= 1 for r in got) and got[-1]["policy_version"] == 3
-    assert "generator_0 (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out
-    assert "generator_1 (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out
-    # every process's staging buffer (the trainer's, each receiver's) is gone from /dev/shm after the run
-    pids = [a["pid"] for a in json.loads((tmp_path / "nccl" / "actors.json").read_text()).values()]
+    assert out.count("weight sync: generator_") == 3
+    for i in range(3):
+        assert f"generator_{i} (node 0) <- trainer (node 0): nccl (weight_sync.transport)" in out, out[-3000:]
+    pids = [a["pid"] for a in json.loads((run_dir / "actors.json").read_text()).values()]
     if os.path.isdir("/dev/shm"):
         assert not [n for n in os.listdir("/dev/shm") if any(n.startswith(f"forge-weights-{p}-") for p in pids)]

@@ -6,6 +6,7 @@ weights bit for bit); and the bad input of that path (a missing target, an unfin
 import asyncio
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,16 +26,22 @@ def trained(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_an_sft_run_resumes_exactly_and_grpo_starts_from_its_final(tmp_path):
-    """Two SFT steps, then the same run resumed to four (from its step-2 checkpoint), equal an
-    uninterrupted four-step run: the same examples (``batch_hash``) and losses. GRPO with
-    ``model.path=<run>/final`` then trains from those weights: its reference holds them bit for bit."""
+    """The run as a preemption after step 4 leaves it (a copy of an uninterrupted four-step run without
+    its step-4 checkpoint and final/), resumed from its step-2 checkpoint, trains steps 3 and 4 on the
+    examples (``batch_hash``) of the uninterrupted run to the same losses, each step logged once. GRPO
+    with ``model.path=<run>/final`` then trains from those weights: its reference holds them bit for bit."""
     out = tmp_path / "runs"
     common = ["smollm2_135m_sft", *TINY, f"output_dir={out}", "checkpoint.every=2"]
-    for args in (["steps=4", "run_id=whole"], ["steps=2", "run_id=cut"], ["steps=4", "run_id=cut"]):
-        r = cli("run", *common, *args)
-        assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("run", *common, "steps=4", "run_id=whole")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(out / "whole", out / "cut", ignore=shutil.ignore_patterns("final", "step_000004"))
+    assert sorted(os.listdir(out / "cut" / "checkpoints")) == ["step_000002"]
+    r = cli("run", *common, "steps=4", "run_id=cut")
+    assert r.returncode == 0, r.stderr[-3000:]
     whole, cut = trained(out / "whole"), trained(out / "cut")
     assert [x["step"] for x in cut] == [1, 2, 3, 4]
+    # steps 3 and 4 are the resumed run's (its own start-up), which also wrote final/
+    assert all(x["startup_s"] != y["startup_s"] for x, y in zip(cut[2:], whole[2:])) and (out / "cut" / "final").is_dir()
     assert [x["batch_hash"] for x in cut] == [x["batch_hash"] for x in whole]
     assert [x["loss"] for x in cut] == pytest.approx([x["loss"] for x in whole], rel=1e-5)
     assert all(x["target_tokens"] > 0 and x["loss"] > 0 for x in cut)

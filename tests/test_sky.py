@@ -20,6 +20,7 @@ across both; a node that never comes up fails with its address and leaves no pro
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -41,6 +42,7 @@ sky = pytest.importorskip("sky", reason="skypilot is not installed (pip install 
 
 from launch import sky as ls  # noqa: E402
 from launch import sky_node as sn  # noqa: E402
+from launch import sky_task as st  # noqa: E402
 
 NS = (3, 4)  # fr-node3, fr-node4: clear of fr-node1/2, which the SLURM dev cluster and test_bootstrap use
 IPS = [f"10.77.0.{10 + i}" for i in NS]
@@ -137,29 +139,41 @@ def recipe_file(name: str) -> Path:
 # What `sky launch ARGV` does on the client before anything leaves it: SkyPilot reads the task
 # file (with --env/--secret overrides) and applies the client-side admin policy named by the
 # project config .sky.yaml of the current directory (launch/sky_policy.py). Run in a subprocess
-# whose current directory is the user's clone, as the sky CLI is.
+# whose current directory is the user's clone, as the sky CLI is; one subprocess takes several
+# command lines in turn (sys.argv set to each, as the policy reads it), so SkyPilot is imported once.
 _CLIENT = """
-import json, sys
+import contextlib, io, json, sys, traceback
 from sky.utils import admin_policy_utils, dag_utils
 from sky.server.requests import request_names
-argv = json.loads(sys.argv[1])
-sys.argv = argv
-entry = next(a for a in argv[2:] if a.endswith('.yaml'))
-pairs = lambda flag: [tuple(argv[i + 1].split('=', 1)) for i, a in enumerate(argv) if a == flag]
-secrets = [(k, v) for k, v in pairs('--secret')]
-dag = dag_utils.load_chain_dag_from_yaml(entry, env_overrides=pairs('--env'), secret_overrides=secrets or None)
-dag, _ = admin_policy_utils.apply(dag, request_names.AdminPolicyRequestName.CLUSTER_LAUNCH, at_client_side=True)
-print('ENVS=' + json.dumps(dag.tasks[0].envs))
+for argv in json.loads(sys.argv[1]):
+    sys.argv = argv
+    entry = next(a for a in argv[2:] if a.endswith('.yaml'))
+    pairs = lambda flag: [tuple(argv[i + 1].split('=', 1)) for i, a in enumerate(argv) if a == flag]
+    secrets = [(k, v) for k, v in pairs('--secret')]
+    err, rc, envs = io.StringIO(), 0, {}
+    with contextlib.redirect_stderr(err):
+        try:
+            dag = dag_utils.load_chain_dag_from_yaml(entry, env_overrides=pairs('--env'),
+                                                     secret_overrides=secrets or None)
+            dag, _ = admin_policy_utils.apply(dag, request_names.AdminPolicyRequestName.CLUSTER_LAUNCH,
+                                              at_client_side=True)
+            envs = dag.tasks[0].envs
+        except Exception:
+            rc = 1
+            traceback.print_exc()
+    print('RESULT=' + json.dumps([rc, envs, err.getvalue()]), flush=True)
 """
 
 
-def client_side(workdir: Path, *argv: str) -> tuple[int, dict, str]:
-    """``(exit code, task envs after the client policy, stderr)`` of ``sky launch *argv`` in ``workdir``."""
+def client_side(workdir: Path, *argvs: list[str]) -> list[tuple[int, dict, str]]:
+    """For each command line ``argv`` of ``argvs``, in turn: ``(exit code, task envs after the client
+    policy, stderr)`` of ``sky launch *argv`` in ``workdir``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKYPILOT_")}
-    p = subprocess.run([PY, "-c", _CLIENT, json.dumps(["sky", "launch", *argv])], cwd=workdir,
-                       capture_output=True, text=True, env=env, timeout=120)
-    envs = next((json.loads(l[5:]) for l in p.stdout.splitlines() if l.startswith("ENVS=")), {})
-    return p.returncode, envs, p.stderr
+    p = subprocess.run([PY, "-c", _CLIENT, json.dumps([["sky", "launch", *a] for a in argvs])], cwd=workdir,
+                       capture_output=True, text=True, env=env, timeout=240)
+    got = [tuple(json.loads(l[7:])) for l in p.stdout.splitlines() if l.startswith("RESULT=")]
+    assert p.returncode == 0 and len(got) == len(argvs), p.stderr[-3000:]
+    return got
 
 
 # --------------------------------------------------------------------------- fast: task files
@@ -168,6 +182,59 @@ def client_side(workdir: Path, *argv: str) -> tuple[int, dict, str]:
 def test_every_recipe_has_a_task_file():
     folders = sorted(Path(p).parent.name for p in glob.glob(str(ROOT / "recipes" / "*" / "config.yaml")))
     assert RECIPES == folders, "every recipe folder needs a sky.yaml"
+
+
+def test_every_task_file_is_what_its_config_gives(tmp_path, capsys):
+    """Every shipped sky.yaml is the text launch/sky_task.py writes from its recipe's config.yaml
+    (``make sky-yaml``), so they share one shape; ``--check`` names a file that drifted."""
+    assert RECIPES == [Path(f).name for f in st.recipe_folders()]
+    assert st.main(["--check"]) == 0, capsys.readouterr().err
+    copy = tmp_path / "my_exp"
+    shutil.copytree(ROOT / "recipes" / "qwen3_8b", copy)
+    (copy / "sky.yaml").write_text((copy / "sky.yaml").read_text().replace("disk_size: 512", "disk_size: 100"))
+    assert st.main(["--check", str(copy)]) == 1
+    assert "sky.yaml differs from what config.yaml gives" in capsys.readouterr().err
+    assert st.main([str(copy)]) == 0 and st.stale([str(copy)]) == []
+
+
+def test_a_copy_changes_its_config_and_gets_its_task_file(tmp_path):
+    """What differs between task files comes from config.yaml: a copied folder's layout, accelerator
+    types and disk, and a gated model's required HF_TOKEN. Bad values name the key."""
+    copy = tmp_path / "my_exp"
+    shutil.copytree(ROOT / "recipes" / "qwen3_1_7b", copy)
+    shipped = yaml.safe_load((copy / "config.yaml").read_text())
+
+    def edit(model: dict, layout: dict) -> None:  # config.yaml with these keys changed
+        cfg = {**shipped, "model": {**shipped["model"], **model}, "layout": {**shipped["layout"], **layout}}
+        (copy / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    edit({"name": "llama3_8b"}, {"nodes": 2, "accelerators": ["A100-80GB"], "disk_gb": 300})
+    st.write(str(copy))
+    t = _task(copy / "sky.yaml")
+    assert t.num_nodes == 2 and [(r.accelerators, r.disk_size) for r in t.resources] == [({"A100-80GB": 3}, 300)]
+    assert {r.name for r in t.managed_secret_refs} == {"HF_TOKEN"}  # gated: required
+    from forge_core.config import ConfigError
+
+    for bad, says in (({"accelerators": []}, "layout.accelerators is empty and layout.gpus_per_node=3"),
+                      ({"disk_gb": -1}, "layout.disk_gb must be >= 0")):
+        edit({}, bad)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            st.task_text(str(copy))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dry_run_of_every_recipe(recipe, monkeypatch, capsys):
+    """``make sky RECIPE=<recipe> DRY_RUN=1`` for every shipped recipe: the checks pass, SkyPilot parses
+    the task, and the printed task asks for the recipe's layout."""
+    from forge_core.config import load_config
+
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")  # the gated recipes need one
+    assert ls.main(["launch", recipe, "--dry-run"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    cfg = load_config(recipe)
+    assert f"sky launch -c {ls.cluster_name(recipe)} recipes/{recipe}/sky.yaml --env FORGE_RECIPE=recipes/{recipe}" in out
+    assert f"num_nodes: {cfg.layout.nodes}" in out and "hf_not_a_real_token_123" not in out
+    assert out.count("accelerators:") == (2 if cfg.layout.gpus_per_node else 0), out
 
 
 @pytest.mark.parametrize("task_file", TASK_FILES, ids=RECIPES)
@@ -203,9 +270,11 @@ def test_task_file_is_valid_and_complete(task_file):
     assert (ROOT / "cluster" / "sky" / "gpu-overrides.txt").is_file()
 
 
-def test_shipped_recipes_resolve_from_cluster_shape():
+def test_shipped_recipes_resolve_from_cluster_shape(monkeypatch):
     # A plain `sky launch recipes/<name>/sky.yaml` (no FORGE_RECIPE) finds its recipe when no other
     # shipped recipe has its shape; recipes sharing a shape stop with an error naming each of them.
+    # (Each recipe's config is composed once: resolve_recipe reads every recipe's shape at each call.)
+    monkeypatch.setattr(sn, "recipe_shape", functools.cache(sn.recipe_shape))
     shapes: dict = {}
     for name in RECIPES:
         shapes.setdefault(sn.recipe_shape(name), []).append(name)
@@ -238,28 +307,35 @@ def test_plain_sky_launch_of_a_copy_runs_the_copy(tmp_path):
     # FORGE_RECIPE from the task file's folder; the cluster then runs that folder.
     wd = make_node_home(tmp_path, {"my_exp": "qwen3_1_7b", "gated_copy": "llama3_8b"}) / "sky_workdir"
     assert (wd / ".sky.yaml").is_file()
-    rc, envs, err = client_side(wd, "-c", "forge", "recipes/my_exp/sky.yaml")
+    shutil.copytree(wd / "recipes" / "qwen3_1_7b", tmp_path / "elsewhere")
+    stretched = wd / "recipes" / "stretched"  # a copy whose task file asks for another layout
+    shutil.copytree(wd / "recipes" / "qwen3_1_7b", stretched)
+    (stretched / "sky.yaml").write_text((stretched / "sky.yaml").read_text().replace("num_nodes: 1", "num_nodes: 2"))
+    copy, plain, explicit, gated, gated_ok, mismatch, outside = client_side(
+        wd, ["-c", "forge", "recipes/my_exp/sky.yaml"],
+        ["recipes/qwen3_1_7b/sky.yaml", "--env", "FORGE_ARGS=steps=3"],
+        ["recipes/my_exp/sky.yaml", "--env", "FORGE_RECIPE=qwen3_1_7b"],
+        ["recipes/gated_copy/sky.yaml"], ["recipes/gated_copy/sky.yaml", "--secret", "HF_TOKEN=hf_x"],
+        ["recipes/stretched/sky.yaml"], [str(tmp_path / "elsewhere" / "sky.yaml")])
+    rc, envs, err = copy
     assert rc == 0, err
     assert envs["FORGE_RECIPE"] == "recipes/my_exp" and "[forge] recipe recipes/my_exp" in err
     assert Path(sn.resolve_recipe(1, 3, env=envs, root=str(wd))).name == "my_exp"
-    rc, envs, err = client_side(wd, "recipes/qwen3_1_7b/sky.yaml", "--env", "FORGE_ARGS=steps=3")
+    rc, envs, err = plain
     assert rc == 0 and envs["FORGE_RECIPE"] == "recipes/qwen3_1_7b" and envs["FORGE_ARGS"] == "steps=3", err
     # An explicit --env FORGE_RECIPE (and make sky, which always sets it) wins.
-    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml", "--env", "FORGE_RECIPE=qwen3_1_7b")
+    rc, envs, err = explicit
     assert rc == 0 and envs["FORGE_RECIPE"] == "qwen3_1_7b" and "[forge]" not in err, err
     # A gated model without --secret HF_TOKEN is refused on the client, before any provisioning.
-    rc, envs, err = client_side(wd, "recipes/gated_copy/sky.yaml")
+    rc, envs, err = gated
     assert rc != 0 and "--secret HF_TOKEN" in err and "UserRequestRejectedByPolicy" in err, err
-    rc, envs, err = client_side(wd, "recipes/gated_copy/sky.yaml", "--secret", "HF_TOKEN=hf_x")
+    rc, envs, err = gated_ok
     assert rc == 0 and envs["FORGE_RECIPE"] == "recipes/gated_copy", err
     # So is a task file that does not ask for the recipe's layout (as make sky refuses it).
-    sky_yaml = wd / "recipes" / "my_exp" / "sky.yaml"
-    sky_yaml.write_text(sky_yaml.read_text().replace("num_nodes: 1", "num_nodes: 2"))
-    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml")
+    rc, envs, err = mismatch
     assert rc != 0 and "num_nodes is 2, layout.nodes is 1" in err and "UserRequestRejectedByPolicy" in err, err
     # A recipe folder outside the workdir would reach the cluster without its config.yaml.
-    shutil.copytree(wd / "recipes" / "qwen3_1_7b", tmp_path / "elsewhere")
-    rc, envs, err = client_side(wd, str(tmp_path / "elsewhere" / "sky.yaml"))
+    rc, envs, err = outside
     assert rc != 0 and "not inside the task's workdir" in err and str(tmp_path / "elsewhere") in err, err
 
 
@@ -269,13 +345,16 @@ def test_plain_sky_launch_of_a_copy_with_a_config_error_is_refused(tmp_path):
     wd = make_node_home(tmp_path, {"my_llama": "llama3_8b", "my_exp": "qwen3_1_7b"}) / "sky_workdir"
     cfg = wd / "recipes" / "my_llama" / "config.yaml"
     cfg.write_text(re.sub(r"(?m)^steps:", "stepz:", cfg.read_text()))
-    for secret in ((), ("--secret", "HF_TOKEN=hf_x")):
-        rc, envs, err = client_side(wd, "recipes/my_llama/sky.yaml", *secret)
+    *typo, bad_override, unclosed = client_side(
+        wd, ["recipes/my_llama/sky.yaml"], ["recipes/my_llama/sky.yaml", "--secret", "HF_TOKEN=hf_x"],
+        ["recipes/my_exp/sky.yaml", "--env", "FORGE_ARGS=stepz=3"],
+        ["recipes/my_exp/sky.yaml", "--env", "FORGE_ARGS=steps='3"])
+    for rc, envs, err in typo:
         assert rc != 0 and "UserRequestRejectedByPolicy" in err and "unknown key 'stepz'" in err, err
         assert "recipes/my_llama/config.yaml" in err, err
-    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml", "--env", "FORGE_ARGS=stepz=3")
+    rc, envs, err = bad_override
     assert rc != 0 and "UserRequestRejectedByPolicy" in err and "override 'stepz=3'" in err, err
-    rc, envs, err = client_side(wd, "recipes/my_exp/sky.yaml", "--env", "FORGE_ARGS=steps='3")
+    rc, envs, err = unclosed
     assert rc != 0 and "UserRequestRejectedByPolicy" in err and "FORGE_ARGS=\"steps='3\"" in err, err
 
 
@@ -432,6 +511,7 @@ def test_task_that_does_not_ask_for_the_layout_is_refused(monkeypatch, tmp_path,
     err = capsys.readouterr().err
     assert "recipes/qwen3_1_7b/sky.yaml does not ask for the recipe's layout: resources ask for 3 accelerator(s) " \
            "per node, layout.gpus_per_node is 4; the overrides" in err and "task file must match" in err, err
+    assert "make sky-yaml RECIPE=<copy>" in err, err
     # a copied recipe whose sky.yaml was edited: more nodes, or fewer GPUs per node, than the layout
     folder = tmp_path / "my_exp"
     shutil.copytree(ROOT / "recipes" / "qwen3_1_7b", folder)
@@ -442,6 +522,7 @@ def test_task_that_does_not_ask_for_the_layout_is_refused(monkeypatch, tmp_path,
         assert ls.main(["launch", str(folder), "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert f"{folder}/sky.yaml does not ask for the recipe's layout: " in err and msg in err, err
+        assert f"write it again from the recipe's config with `make sky-yaml RECIPE={folder}`" in err, err
     (folder / "sky.yaml").write_text(text.replace("H100:3", "H100:8"))  # more GPUs than the layout uses: fine,
     assert ls.main(["launch", str(folder), "--dry-run"]) == 2  # but the cluster gets the repository alone:
     assert f"recipe folder {folder} is outside the repository" in capsys.readouterr().err  # a copy goes in recipes/
@@ -519,7 +600,7 @@ def copied_recipe_runs(tmp_path_factory):
     task_id = "sky-managed-2026-11-21-20-00-00-000000_forge-my-exp_7-0"
     run_dir = bucket / "my_exp" / task_id
     # `sky jobs launch recipes/my_exp/sky.yaml` from the clone: the client policy names the folder.
-    rc, task_envs, err = client_side(home / "sky_workdir", "recipes/my_exp/sky.yaml")
+    [(rc, task_envs, err)] = client_side(home / "sky_workdir", ["recipes/my_exp/sky.yaml"])
     assert rc == 0 and task_envs["FORGE_RECIPE"] == "recipes/my_exp", err
     out, after_first = {}, {}
     for i, n_steps in enumerate((2, 3)):

@@ -257,15 +257,17 @@ def test_cancel_of_a_job_slurm_has_forgotten_still_removes_its_secrets_file(monk
     assert (tmp_path / "victim.json").exists()
 
 
-def test_a_damaged_last_job_record_is_named(tmp_path):
+def test_a_damaged_last_job_record_is_named(tmp_path, monkeypatch, capsys):
     last = tmp_path / "last_job.json"
+    monkeypatch.setattr(slurm, "LAST_JOB", last)  # what FORGE_SLURM_LAST_JOB names
     for text in ("{not json", '{"folder": "/x"}', "[1]"):
         last.write_text(text)
-        r = _cli("status", env={"FORGE_SLURM_LAST_JOB": str(last)})
-        assert r.returncode == 2 and f"error: {last} is not a job record" in r.stderr, r.stderr
+        assert slurm.main(["status"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {last} is not a job record" in err, err
 
 
-def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
+def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(slurm, "cluster_partitions", lambda: None)
     monkeypatch.setenv("HF_TOKEN", "hf_test_SECRET123")
     monkeypatch.setenv("WANDB_API_KEY", "wandb_test_SECRET456")
@@ -283,10 +285,12 @@ def test_secrets_are_refused_in_script_or_arguments(monkeypatch, tmp_path):
     spec = slurm.build_job("smollm2_135m", prof, overrides=[*TINY, f"output_dir={tmp_path}"])
     with pytest.raises(slurm.SlurmError, match=r"\$WANDB_API_KEY would be written into the sbatch script"):
         slurm.sbatch_script(spec)
-    r = _cli("submit", "smollm2_135m", "--cluster", str(prof), "--dry-run", *TINY, f"output_dir={tmp_path}",
-             env={"WANDB_API_KEY": "wandb_test_SECRET456"})
-    assert r.returncode == 2 and not r.stdout and "would be written into the sbatch script" in r.stderr, r.stderr
-    assert "wandb_test_SECRET456" not in r.stderr
+    capsys.readouterr()
+    assert slurm.main(["submit", "smollm2_135m", "--cluster", str(prof), "--dry-run", *TINY,
+                       f"output_dir={tmp_path}"]) == 2
+    r = capsys.readouterr()
+    assert not r.out and "would be written into the sbatch script" in r.err, r.err
+    assert "wandb_test_SECRET456" not in r.err
 
 
 def test_submit_exports_names_only_and_hands_secrets_over_in_a_private_file(monkeypatch, tmp_path):
