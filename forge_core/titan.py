@@ -38,7 +38,10 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
     FlexAttention on CUDA, SDPA with a dense mask on CPU), LoRA adapters added when ``lora`` (a
     :class:`forge_core.lora.LoRAConfig` with rank > 0; only they stay trainable), ``parallelize(model)``
     applied there (FSDP / TP / AC / compile, optional), then ``to_empty`` and ``init_weights``
-    (seeded), in ``dtype``; the adapters then get :func:`forge_core.lora.init_adapters` (``B`` zero)."""
+    (seeded), in ``dtype``; the adapters then get :func:`forge_core.lora.init_adapters` (``B`` zero).
+    With LoRA, ``dtype`` is the frozen base's (the trainer passes its compute dtype: a bf16 base is
+    2 bytes a parameter) and the adapters are float32 whatever it is; the base is initialised in
+    ``dtype`` directly (no float32 copy is ever materialised)."""
     if spec.family == "llama3":
         from torchtitan.models.llama3.model.model import Transformer as cls
     else:

@@ -5,7 +5,9 @@ One code path for both devices: fp32 master weights; bf16 compute by autocast on
 FSDP2's mixed precision (bf16 params, fp32 reductions) over several GPUs; optional full activation
 checkpointing, per-block ``torch.compile`` and TP of ``trainer.tp`` (TorchTitan's own functions).
 With ``trainer.lora.rank`` > 0 (:mod:`forge_core.lora`) only the adapters train (their gradients and
-AdamW state alone), the published weights are the merged ones, checkpoints hold the adapters, and
+AdamW state alone, in fp32), the frozen base is held in the compute dtype (bf16 on GPUs: no fp32
+master copy of weights that never change, and norms whose weight matches their bf16 input, so the
+fused kernels run), the published weights are the merged ones, checkpoints hold the adapters, and
 the trainer also serves the reference's logprobs (:meth:`Trainer.reference_logprobs`: its base model,
 adapters off), so no reference actor holds a second copy of the weights.
 One actor per GPU: every rank gets the whole batch, takes its ``rank::world`` share and scales its
@@ -171,11 +173,13 @@ class Trainer(Actor):
         self.budget = int(self.t.tokens_per_micro_batch)
         hidden = self.spec.hf["hidden_size"]
         self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
+        self.compute = resolve_dtype(self.t.compute_dtype, device, hidden, "trainer")
         self.ac = self._activation_checkpointing(seq_len, shared_gb, shared_frac)
         par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
         self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0,
-                                       lora=self.lora if self.lora.rank else None)
+                                       lora=self.lora if self.lora.rank else None,
+                                       dtype=self.compute if self.lora.rank else torch.float32)  # LoRA: the frozen base
         self.model_cfg = dict(model)
         self.src = pretrained_dir(ModelConfig(**model))
         if self.src:
@@ -199,7 +203,6 @@ class Trainer(Actor):
         if loss["aggregation"] == "fixed_horizon" and loss.get("horizon") is None:
             loss["horizon"] = max_response_tokens  # Dr. GRPO: the generation budget
         self.loss_cfg = OmegaConf.create(loss)
-        self.compute = resolve_dtype(self.t.compute_dtype, device, hidden, "trainer")
         self.autocast = self.compute == torch.bfloat16 and self.world == 1
         self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
 
@@ -419,9 +422,10 @@ class Trainer(Actor):
 
     @endpoint
     async def state_dict(self) -> dict:
-        """The live fp32 weights as ``{hf_name: tensor}`` on the CPU (rank 0; for tests); with LoRA the
+        """The live weights in float32 as ``{hf_name: tensor}`` on the CPU (rank 0; for tests); with LoRA the
         merged ones (what :meth:`publish` sends)."""
-        out = {k: v.cpu().clone() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
+        out = {k: v.cpu().clone() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter,
+                                                                       dtype=torch.float32)}
         return out if self.rank == 0 else {}
 
     @endpoint
