@@ -58,7 +58,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from forge_core import checkpoint
+from forge_core import checkpoint, memory
 from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split, sft_target
 from forge_core.episode import Episode
 from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
@@ -112,8 +112,10 @@ class Controller(RolloutLoop, Supervision):
     async def run(self) -> dict:
         """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
         actor call fails (the message names the actor); checkpoints and metrics written so far stay intact.
-        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``,
-        and DataError or RewardError (:func:`load_task`) before anything is written."""
+        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``
+        or the layout does not fit the GPUs' free memory (:func:`forge_core.memory.check_free`: the
+        message names the GPU, the estimate, the free memory and the setting to change), and DataError
+        or RewardError (:func:`load_task`) before anything is written."""
         cfg = self.cfg
         if not cfg.resume and (os.path.exists(os.path.join(self.out_dir, "metrics.jsonl"))
                                or checkpoint.complete(self.ckpt_root)):
@@ -121,6 +123,8 @@ class Controller(RolloutLoop, Supervision):
                             f"overwrite its metrics and mix its checkpoints with this run's; set another run_id, or "
                             f"resume=true to go on from its last checkpoint")
         train, self.held_out = load_task(cfg)  # bad data or reward: an error before anything is written
+        if cfg.device == "cuda" and (why := memory.check_free(cfg)):  # before any actor allocates
+            raise RunFailed(why)
         os.makedirs(self.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
         self.source = PromptSource(train, cfg.data.seed)

@@ -240,25 +240,6 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     return out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
 
 
-def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool, trainable: Optional[int] = None,
-                    staging_bytes: int = 0) -> float:
-    """Estimated peak GB per GPU of a trainer rank: fp32 params, grads and AdamW's two moments (16
-    bytes per parameter, FSDP-sharded over ``world``; with ``trainable`` of them trained (LoRA: the
-    adapters), 4 bytes per frozen parameter and 16 per trained one), one layer's bf16 parameters
-    gathered, the staging buffer the weights are published into (``staging_bytes`` per parameter,
-    unsharded, on rank 0: 2 for bf16), and the activations of a ``tokens``-token micro-batch: 34 x dim
-    bytes per token and layer without activation checkpointing (Korthikanti et al. 2022,
-    arXiv:2205.05198, sec. 4.1, 16-bit, no score matrix with flash/flex attention), the block inputs
-    (2 x dim bytes) plus one layer's with it."""
-    h = spec.hf
-    n = sum(k for *_, k in hf_layout(h))
-    D, L = h["hidden_size"], h["num_hidden_layers"]
-    layer = 34 * D * tokens
-    act = (2 * D * tokens * L + layer) if ac else layer * L
-    state = 16 * n if trainable is None else 4 * n + 16 * trainable
-    return (state / world + 2 * n / L + staging_bytes * n + act) / 1e9
-
-
 def step_flops(spec: TitanSpec, doc_lengths: list[int], logit_positions: int, frozen: bool = False) -> float:
     """Training FLOPs (forward + backward, matmuls, multiply-add = 2) of one pass over documents
     of ``doc_lengths`` tokens with the output layer on ``logit_positions`` positions:

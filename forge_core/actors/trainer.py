@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from forge_core import lora as lora_mod
-from forge_core import titan
+from forge_core import memory, titan
 from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
 from forge_core.losses import compute_loss
@@ -208,16 +208,18 @@ class Trainer(Actor):
 
     def _activation_checkpointing(self, seq_len: int, shared_gb: float, shared_frac: float = 0.0) -> bool:
         """``trainer.activation_checkpointing``, or when unset: on iff the memory estimate without it
-        (:func:`forge_core.titan.train_memory_gb`, the publish staging buffer included) exceeds 85%
+        (:func:`forge_core.memory.trainer_parts`, the publish staging buffer included) exceeds 85%
         (less ``shared_frac``) of this GPU minus ``shared_gb``."""
         if self.t.activation_checkpointing is not None:
             return bool(self.t.activation_checkpointing)
         if self.device.type != "cuda":
             return False
         tokens = self.budget or self.t.micro_batch_size * seq_len
-        need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False,
-                                     trainable=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None,
-                                     staging_bytes=getattr(torch, self.publish_dtype).itemsize)
+        parts = memory.trainer_parts(self.spec.hf, self.world, tokens, ac=False,
+                                     trained=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None,
+                                     base_bytes=self.compute.itemsize, logprob_chunk=self.t.logprob_chunk,
+                                     staging_bytes=getattr(torch, self.publish_dtype).itemsize if self.rank == 0 else 0)
+        need = sum(v for d in parts for v in d.values()) / 1e9
         have = torch.cuda.get_device_properties(0).total_memory / 1e9 * (0.85 - shared_frac) - shared_gb
         if self.rank == 0:
             print(f"[forge] trainer: activation checkpointing {'on' if need > have else 'off'} (estimate "
@@ -240,6 +242,7 @@ class Trainer(Actor):
         (lp.sum() * 0.0).backward()
         self.opt.zero_grad(set_to_none=True)
         self._sync()
+        torch.cuda.empty_cache()  # the dummy step's activations: a colocated engine wakes into this memory
         dt = time.perf_counter() - t0
         if self.rank == 0:
             print(f"[forge] trainer: torch.compile of the blocks took {dt:.0f} s", flush=True)
