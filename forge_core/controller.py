@@ -55,7 +55,6 @@ import sys
 import time
 from typing import Any, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
