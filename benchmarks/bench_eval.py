@@ -2,10 +2,11 @@
 
     python -m benchmarks.bench_eval RECIPE [--ckpt DIR] [--repeats 2] [overrides ...]
 
-One engine serves both (:func:`forge_core.evaluate.vllm_engine`). "raw" is ``LLM.generate`` of the
-held-out prompts' token ids with the evaluation's sampling settings; "make eval" is
-:func:`forge_core.evaluate.evaluate` with that engine: the subset, chat formatting, tokenizing,
-generation, decoding and scoring. After one warm-up of each, they alternate ``--repeats`` times.
+One engine serves both: the run's vLLM generator built for ``make eval``
+(:func:`forge_core.evaluate.eval_generator`). "raw" is ``LLM.generate`` of the held-out prompts'
+token ids with the evaluation's sampling settings; "make eval" is :func:`forge_core.evaluate.evaluate`
+with that generator: the subset, chat formatting, tokenizing, generation through the actor's code,
+decoding and scoring. After one warm-up of each, they alternate ``--repeats`` times.
 Prints a table (tok/s = generated tokens per second of the whole call) and one JSON line.
 """
 
@@ -29,18 +30,17 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
 
     from forge_core.config import load_config
-    from forge_core.data import chat_prompt, eval_subset, load_split
-    from forge_core.evaluate import evaluate, vllm_engine, vllm_prompts, vllm_sampling
-    from forge_core.models import load_tokenizer
+    from forge_core.data import eval_subset, load_split
+    from forge_core.evaluate import eval_config, eval_generator, eval_sampling, evaluate, run_info
 
     cfg = load_config(a.recipe, a.overrides)
-    max_tokens = cfg.eval.max_response_tokens or cfg.generator.max_response_tokens
-    tok = load_tokenizer(cfg.model)
+    cfg = eval_config(cfg, "vllm", run_info(a.ckpt).get("generator_dtype"))
+    max_tokens = eval_sampling(cfg)["max_tokens"]
     problems = eval_subset(load_split(cfg.data, "test"), cfg.eval.num_questions, cfg.eval.seed)
-    prompts = [TokensPrompt(prompt_token_ids=x)
-               for x in vllm_prompts(cfg, tok, [chat_prompt(tok, q, cfg.data.system_prompt) for q in problems])]
-    llm = vllm_engine(cfg, a.ckpt, max_tokens)
-    sp = vllm_sampling(cfg, tok, max_tokens)
+    gen = eval_generator(cfg, a.ckpt)
+    llm = gen.llm
+    prompts = [TokensPrompt(prompt_token_ids=x) for x in gen.prompt_ids(problems)]
+    sp = gen._sampling(eval_sampling(cfg), seed=cfg.eval.seed)
 
     def raw() -> dict:
         t0 = time.perf_counter()
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
     def ours() -> dict:
         t0 = time.perf_counter()
-        res = evaluate(cfg, a.ckpt, progress=False, llm=llm)
+        res = evaluate(cfg, a.ckpt, progress=False, gen=gen)
         dt = time.perf_counter() - t0
         n = res["gen_tok_s"] * res["gen_s"]
         return {"s": dt, "tokens": round(n), "tok_s": n / dt, "pass@1": res["pass@1"]}

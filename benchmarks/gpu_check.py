@@ -1,6 +1,7 @@
 """The GPU check: real actors on this machine's GPU(s), printed as PASS/FAIL lines.
 
     python -m benchmarks.gpu_check [--model smollm2_135m] [--gpus 1|2|3]
+    python -m benchmarks.gpu_check --eval-agreement [--eval-recipe smollm2_135m_gpu1] [--eval-questions 1319]
 
 With one GPU the trainer, reference and vLLM generator share it (colocated, sleep/wake); with
 two or more they get their own (CUDA IPC across GPUs, bucketed). Checks: the generator and the
@@ -8,6 +9,12 @@ trainer hold bit-identical weights after each sync (sha256 in HF layout, version
 samples per prompt with one logprob per token; the reference (same weights) agrees with the
 generator's logprobs; one GRPO step changes the weights; the version advances everywhere; the
 engine keeps generating after an in-place update (prefix cache reset).
+
+``--eval-agreement``: one score per checkpoint. A short run of ``--eval-recipe`` (real weights:
+``bash benchmarks/gpu.sh setup`` first) evaluates its last version on ``--eval-questions`` held-out
+questions, greedy, on its vLLM generator; then ``make eval``'s path (:func:`forge_core.evaluate.evaluate`)
+evaluates the run's ``final/`` on this GPU. PASS when both sampled the same responses
+(``responses_digest``) and gave the same pass@1; the figures of both are printed.
 """
 
 from __future__ import annotations
@@ -112,18 +119,57 @@ async def run_checks(model: str = "smollm2_135m", gpus: int = 1, data_dir: str =
     return res
 
 
+def eval_agreement(recipe: str, questions: int, steps: int, out_dir: str, extra: tuple = ()) -> list:
+    """One score per checkpoint on this GPU: ``launch.local run RECIPE`` for ``steps`` steps with the
+    held-out evaluation (``questions`` questions, the recipe's sampling settings) at its last step, then
+    :func:`forge_core.evaluate.evaluate` of its ``final/``. Returns ``[(name, ok, detail)]``: the digests
+    of the responses and pass@1 agree."""
+    import subprocess
+
+    from forge_core.config import load_config
+    from forge_core.evaluate import evaluate
+    from forge_core.metrics import read_jsonl
+
+    run_id = f"eval-agreement-{int(time.time())}"
+    args = [f"steps={steps}", f"eval.every={steps}", "eval.at_start=false", f"eval.num_questions={questions}",
+            "checkpoint.every=0", f"output_dir={out_dir}", f"run_id={run_id}", *extra]
+    r = subprocess.run([sys.executable, "-m", "launch.local", "run", recipe, *args], capture_output=True, text=True)
+    if r.returncode:
+        return [(f"{recipe}: a {steps}-step run with an evaluation at its end", False, r.stderr[-2000:])]
+    run = os.path.join(out_dir, run_id)
+    row = [x for x in read_jsonl(os.path.join(run, "metrics.jsonl")) if "eval/pass@1" in x][-1]
+    res = evaluate(load_config(recipe, args), os.path.join(run, "final"), progress=False, engine="vllm")
+    detail = (f"in-run: pass@1 {row['eval/pass@1']:.4f} (version {row['eval/policy_version']}), make eval of "
+              f"final/: pass@1 {res['pass@1']:.4f} (version {res['policy_version']}, {res['dtype']}), "
+              f"{res['questions']} questions")
+    print(json.dumps({"in_run": row, "make_eval": res}), flush=True)
+    return [("in-run evaluation and make eval of final/ sampled the same responses",
+             row["eval/responses_digest"] == res["responses_digest"], detail),
+            ("... and give the same pass@1", row["eval/pass@1"] == res["pass@1"], detail)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2_135m")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--data", default=os.environ.get("GSM8K_DIR", ""))
     p.add_argument("--out", default="")
+    p.add_argument("--eval-agreement", action="store_true", help="only the in-run eval vs make eval check")
+    p.add_argument("--eval-recipe", default="smollm2_135m_gpu1")
+    p.add_argument("--eval-questions", type=int, default=1319)
+    p.add_argument("--eval-steps", type=int, default=10)
+    p.add_argument("--eval-dir", default="runs/gpu_check")
     p.add_argument("overrides", nargs="*", help="more config overrides, e.g. trainer.tokens_per_micro_batch=1024")
     a = p.parse_args()
     import torch
 
     print(f"device: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}", flush=True)
-    res = asyncio.run(run_checks(a.model, a.gpus, a.data, tuple(a.overrides)))
+    if a.eval_agreement:
+        res = eval_agreement(a.eval_recipe, a.eval_questions, a.eval_steps, a.eval_dir, tuple(a.overrides))
+        for name, ok, detail in res:
+            print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    else:
+        res = asyncio.run(run_checks(a.model, a.gpus, a.data, tuple(a.overrides)))
     n_ok = sum(ok for _, ok, _ in res)
     print(f"gpu_check {a.model} gpus={a.gpus}: {n_ok}/{len(res)} passed", flush=True)
     if a.out:

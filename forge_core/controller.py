@@ -48,24 +48,25 @@ in a row end the run.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
 import time
 from typing import Any, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from forge_core import checkpoint
+from forge_core import checkpoint, memory
 from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split, sft_target
 from forge_core.episode import Episode
+from forge_core.evaluate import RUN_INFO, eval_calls, eval_sampling, held_out_scores
 from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
 from forge_core.rewards import load_reward_fn, reward_components
 from forge_core.rollout import check_env
 from forge_core.rollout_loop import Dispatcher, RolloutLoop
-from forge_core.services import ActorFailed, RunFailed, Services, call, eval_max_tokens, spawn_services
+from forge_core.services import ActorFailed, RunFailed, Services, call, spawn_services
 from forge_core.supervision import Supervision, _brief
 from forge_core.weight_sync import choose_transport
 
@@ -112,8 +113,10 @@ class Controller(RolloutLoop, Supervision):
     async def run(self) -> dict:
         """Run the recipe to ``cfg.steps``; returns the last step's metrics. Raises ActorFailed when an
         actor call fails (the message names the actor); checkpoints and metrics written so far stay intact.
-        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``,
-        and DataError or RewardError (:func:`load_task`) before anything is written."""
+        Raises RunFailed before anything starts when ``resume=false`` finds an earlier run in ``out_dir``
+        or the layout does not fit the GPUs' free memory (:func:`forge_core.memory.check_free`: the
+        message names the GPU, the estimate, the free memory and the setting to change), and DataError
+        or RewardError (:func:`load_task`) before anything is written."""
         cfg = self.cfg
         if not cfg.resume and (os.path.exists(os.path.join(self.out_dir, "metrics.jsonl"))
                                or checkpoint.complete(self.ckpt_root)):
@@ -121,6 +124,8 @@ class Controller(RolloutLoop, Supervision):
                             f"overwrite its metrics and mix its checkpoints with this run's; set another run_id, or "
                             f"resume=true to go on from its last checkpoint")
         train, self.held_out = load_task(cfg)  # bad data or reward: an error before anything is written
+        if cfg.device == "cuda" and (why := memory.check_free(cfg)):  # before any actor allocates
+            raise RunFailed(why)
         os.makedirs(self.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(self.out_dir, "config.yaml"))
         self.source = PromptSource(train, cfg.data.seed)
@@ -298,13 +303,16 @@ class Controller(RolloutLoop, Supervision):
             await self.svc.stop()
 
     async def save_final(self) -> None:
-        """Write ``final/`` (the policy in HF safetensors, without optimizer state, and the tokenizer's
-        files) and ``reward.png``. Raises ActorFailed when the trainer's save fails, OSError on a write."""
+        """Write ``final/`` (the policy in HF safetensors, without optimizer state, the tokenizer's files
+        and ``forge.json``: the dtype the generators sampled in and the policy version, which ``make eval``
+        evaluates it with) and ``reward.png``. Raises ActorFailed when the trainer's save fails, OSError on a write."""
         final = os.path.join(self.out_dir, "final")
         await call("trainer", self.svc.trainer.save, final, False, self.cfg.checkpoint.final_dtype)
         for name, data in self.tokenizer_files.items():
             with open(os.path.join(final, name), "wb") as f:
                 f.write(data)
+        with open(os.path.join(final, RUN_INFO), "w") as f:  # for make eval: the generators' dtype (auto resolved)
+            json.dump({"generator_dtype": self.svc.dtypes["generator"], "policy_version": self.step}, f)
         what = "SFT" if self.cfg.loss.name == "sft" else "GRPO"
         plot_rewards(self.mlog.path, os.path.join(self.out_dir, "reward.png"), f"{what} {self.cfg.recipe}")
 
@@ -431,38 +439,35 @@ class Controller(RolloutLoop, Supervision):
 
     async def evaluate(self) -> dict:
         """Evaluate the policy the replicas hold on the held-out subset and log it (one ``metrics.jsonl``
-        row with ``eval/...`` keys, ``step`` = the version evaluated). The questions are spread over the
-        replicas as rollout groups are (whole questions, the replica expected to finish first), each
-        sampled ``eval.samples`` times with the evaluation's settings and a fixed seed, and scored by the
-        reward actor. pass@1 is the mean correctness of all samples; pass@k (k = ``eval.samples``) the
-        fraction of questions with at least one correct sample: the unbiased estimator of Chen et al.
-        2021 ("Evaluating Large Language Models Trained on Code", eq. 1) with n = k. Runs between two
-        syncs (see :meth:`publish_and_sync`), so every sample comes from the version evaluated (recorded
-        as ``eval/policy_version``). Returns the row."""
+        row with ``eval/...`` keys, ``step`` = the version evaluated). The generate calls, their seeds and
+        sampling settings and the scores are :mod:`forge_core.evaluate`'s, the ones ``make eval`` makes of
+        a checkpoint (:func:`~forge_core.evaluate.eval_calls`: call ``i`` to replica ``i % replicas``;
+        :func:`~forge_core.evaluate.eval_sampling`; :func:`~forge_core.evaluate.held_out_scores`: pass@1,
+        pass@k, the means, ``responses_digest``), scored by the reward actor. Runs between two syncs (see
+        :meth:`publish_and_sync`), so every sample comes from the version evaluated (recorded as
+        ``eval/policy_version``). Returns the row."""
         e, gens, t0 = self.cfg.eval, self.svc.generators, time.perf_counter()
-        sampling = {"n": e.samples, "temperature": e.temperature, "top_p": e.top_p,
-                    "max_tokens": eval_max_tokens(self.cfg)}
-        plan = self.dispatcher.assign(len(self.held_out), list(range(len(gens))))
+        sampling, calls = eval_sampling(self.cfg), eval_calls(self.cfg, len(self.held_out))
 
-        async def one(r: int, idx: list[int]) -> list[Episode]:
-            ta = time.perf_counter()
-            eps, _ = await self._supervised(gens[r].name, "generate", [self.held_out[i] for i in idx], e.seed,
-                                            sampling, tokens=len(idx) * e.samples * sampling["max_tokens"])
-            self.dispatcher.done(r, len(idx), time.perf_counter() - ta)
-            return eps
+        async def one(r: int) -> list[tuple[int, list[Episode]]]:
+            out = []
+            for i in range(r, len(calls), len(gens)):
+                start, end, seed = calls[i]
+                eps, _ = await self._supervised(gens[r].name, "generate", self.held_out[start:end], seed, sampling,
+                                                tokens=(end - start) * e.samples * sampling["max_tokens"])
+                out.append((i, eps))
+            return out
 
-        got = await asyncio.gather(*(one(r, idx) for r, idx in plan.items()))
+        parts = await asyncio.gather(*(one(r) for r in range(len(gens))))
+        got = sorted((x for part in parts for x in part), key=lambda x: x[0])  # question order
         gen_s = time.perf_counter() - t0
-        episodes = await self._score([ep for eps in got for ep in eps])
-        correct = torch.tensor([ep.correct for ep in episodes], dtype=torch.float32).view(-1, e.samples)
+        episodes = await self._score([ep for _, eps in got for ep in eps])
         versions = sorted({ep.policy_version for ep in episodes})
         if len(versions) > 1:  # a replica respawned during the evaluation got the trainer's newer weights
             checkpoint.warn(f"held-out evaluation mixed policy versions {versions} (a replica was respawned)")
         ntok = sum(len(ep.response_ids) for ep in episodes)
-        row = {"step": versions[0], "eval/policy_version": versions[0], "eval/pass@1": float(correct.mean()),
-               **({f"eval/pass@{e.samples}": float(correct.amax(1).mean())} if e.samples > 1 else {}),
-               **{k: v for k, v in batch_stats(episodes, prefix="eval/").items() if k != "eval/accuracy"},  # = pass@1
-               "eval/questions": correct.shape[0], "eval/k": e.samples,
+        row = {"step": versions[0], "eval/policy_version": versions[0],
+               **{f"eval/{k}": v for k, v in held_out_scores(episodes, e.samples).items()},
                "eval/s": time.perf_counter() - t0, "eval/gen_s": gen_s, "eval/gen_tok_s": ntok / gen_s}
         self.mlog.log(row)
         self.last_eval = row

@@ -4,7 +4,9 @@ Language Models", arXiv:2106.09685): a frozen linear ``W`` [out, in] plus a trai
     y = x W^T + (alpha / r) * dropout(x) A^T B^T,      A: [r, in],  B: [out, r]
 
 with ``B`` zero at the start, so the adapted model starts as the base model (the paper, sec. 4.1).
-Only ``A`` and ``B`` get gradients and AdamW state; the trainer publishes the merged weight
+Only ``A`` and ``B`` get gradients and AdamW state, in float32; the frozen base is held in the
+trainer's compute dtype (bf16 on GPUs: 2 bytes a parameter instead of the full fine-tune's float32
+master copy), and the trainer publishes the merged weight
 ``W + (alpha / r) * B @ A`` (:func:`merged_weight`), so generators (vLLM or transformers) load an
 ordinary checkpoint through the usual weight sync, as many bytes as a full fine-tune's (an
 adapter-only path, vLLM's ``LoRARequest`` with ``r (in + out)`` values a layer, moves far fewer bytes
@@ -133,8 +135,9 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Replace the ``cfg.target_modules`` linear layers of every block of a TorchTitan model (before
     FSDP2, compile or AC wrap it; on the meta device or materialised) by :class:`LoRALinear` s that
     keep the same ``weight`` parameter, and freeze every parameter but the adapters'. The adapters
-    are on ``weight``'s device, uninitialised (:func:`init_adapters`). Returns the adapted modules'
-    names (TorchTitan's, e.g. ``layers.0.attention.wq``).
+    are float32 whatever the base's dtype (a bf16 base keeps fp32 adapters, gradients and AdamW
+    state), on ``weight``'s device, uninitialised (:func:`init_adapters`). Returns the adapted
+    modules' names (TorchTitan's, e.g. ``layers.0.attention.wq``).
 
     Raises:
         ValueError: a target names no linear layer (a model without that module), or one with a bias.
@@ -153,9 +156,9 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
                 raise ValueError(f"trainer.lora.target_modules: layers.{bname}.{path} has a bias (not supported)")
             new = LoRALinear(old.in_features, old.out_features, cfg.rank, cfg.alpha, cfg.dropout)
             new.weight = old.weight
-            dev, dt = old.weight.device, old.weight.dtype
-            new.lora_A = nn.Parameter(torch.empty(cfg.rank, old.in_features, device=dev, dtype=dt))
-            new.lora_B = nn.Parameter(torch.empty(old.out_features, cfg.rank, device=dev, dtype=dt))
+            dev = old.weight.device
+            new.lora_A = nn.Parameter(torch.empty(cfg.rank, old.in_features, device=dev, dtype=torch.float32))
+            new.lora_B = nn.Parameter(torch.empty(old.out_features, cfg.rank, device=dev, dtype=torch.float32))
             setattr(parent, attr, new)
             done.append(f"layers.{bname}.{path}")
     for name, p in model.named_parameters():
@@ -222,10 +225,11 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
 def merged_weight(m: LoRALinear) -> torch.Tensor:
     """The merged weight ``W + (B @ A) * scale`` [out, in] of ``m``, whole (FSDP/TP shards gathered:
-    every rank must call), in ``W``'s dtype (the fp32 master), detached. The order of operations is
-    PEFT's ``merge`` (``delta = B @ A * scaling``; ``W + delta``)."""
+    every rank must call), computed and returned in float32 whatever ``W``'s dtype (a bf16 base is
+    exact in float32; the update ``B @ A`` keeps its float32 bits until the caller casts), detached.
+    The order of operations is PEFT's ``merge`` (``delta = B @ A * scaling``; ``W + delta``)."""
     W, A, B = _full(m.weight), _full(m.lora_A), _full(m.lora_B)
-    return W + (B.to(W.dtype) @ A.to(W.dtype)) * m.scale
+    return W.float() + (B.float() @ A.float()) * m.scale
 
 
 def num_params(hf: dict, cfg: LoRAConfig) -> int:

@@ -149,7 +149,8 @@ class MetricsLog:
                                     resume="allow", config=config, dir=run_dir)
 
     def log(self, row: dict) -> None:
-        """Write one step's metrics (a flat dict of numbers; must contain ``step``)."""
+        """Write one step's metrics (a flat dict of numbers, and the held-out evaluation's
+        ``eval/responses_digest`` string; must contain ``step``)."""
         self.f.write(json.dumps(row) + "\n")
         self.f.flush()
         os.fsync(self.f.fileno())

@@ -38,7 +38,10 @@ def build_model(spec: TitanSpec, device: torch.device, seed: int = 0, paralleliz
     FlexAttention on CUDA, SDPA with a dense mask on CPU), LoRA adapters added when ``lora`` (a
     :class:`forge_core.lora.LoRAConfig` with rank > 0; only they stay trainable), ``parallelize(model)``
     applied there (FSDP / TP / AC / compile, optional), then ``to_empty`` and ``init_weights``
-    (seeded), in ``dtype``; the adapters then get :func:`forge_core.lora.init_adapters` (``B`` zero)."""
+    (seeded), in ``dtype``; the adapters then get :func:`forge_core.lora.init_adapters` (``B`` zero).
+    With LoRA, ``dtype`` is the frozen base's (the trainer passes its compute dtype: a bf16 base is
+    2 bytes a parameter) and the adapters are float32 whatever it is; the base is initialised in
+    ``dtype`` directly (no float32 copy is ever materialised)."""
     if spec.family == "llama3":
         from torchtitan.models.llama3.model.model import Transformer as cls
     else:
@@ -239,25 +242,6 @@ def response_logprobs(model: torch.nn.Module, episodes: list, R: int, temperatur
     lp = logits.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     out = torch.zeros(B, R, device=device, dtype=torch.float32)
     return out.index_put((torch.tensor(rows, device=device), torch.tensor(outc, device=device)), lp)
-
-
-def train_memory_gb(spec: TitanSpec, world: int, tokens: int, ac: bool, trainable: Optional[int] = None,
-                    staging_bytes: int = 0) -> float:
-    """Estimated peak GB per GPU of a trainer rank: fp32 params, grads and AdamW's two moments (16
-    bytes per parameter, FSDP-sharded over ``world``; with ``trainable`` of them trained (LoRA: the
-    adapters), 4 bytes per frozen parameter and 16 per trained one), one layer's bf16 parameters
-    gathered, the staging buffer the weights are published into (``staging_bytes`` per parameter,
-    unsharded, on rank 0: 2 for bf16), and the activations of a ``tokens``-token micro-batch: 34 x dim
-    bytes per token and layer without activation checkpointing (Korthikanti et al. 2022,
-    arXiv:2205.05198, sec. 4.1, 16-bit, no score matrix with flash/flex attention), the block inputs
-    (2 x dim bytes) plus one layer's with it."""
-    h = spec.hf
-    n = sum(k for *_, k in hf_layout(h))
-    D, L = h["hidden_size"], h["num_hidden_layers"]
-    layer = 34 * D * tokens
-    act = (2 * D * tokens * L + layer) if ac else layer * L
-    state = 16 * n if trainable is None else 4 * n + 16 * trainable
-    return (state / world + 2 * n / L + staging_bytes * n + act) / 1e9
 
 
 def step_flops(spec: TitanSpec, doc_lengths: list[int], logit_positions: int, frozen: bool = False) -> float:

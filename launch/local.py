@@ -135,6 +135,61 @@ def check_task(cfg: Any) -> str:
             + f"; reward.fn={cfg.reward.fn} scored {train[0].id}")
 
 
+def sky_accelerators(recipe_folder: str) -> list[str]:
+    """The GPU names the recipe folder's ``sky.yaml`` asks for (``resources.accelerators``, or each
+    option of ``resources.any_of`` / ``ordered``; written ``H100:8``, ``{H100: 8}`` or a list of
+    those), in file order, once each; ``[]`` without the file or an accelerator."""
+    import yaml
+
+    path = os.path.join(recipe_folder, "sky.yaml")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        res = (yaml.safe_load(f) or {}).get("resources") or {}
+    out: list[str] = []
+    for opt in [res, *(res.get("any_of") or []), *(res.get("ordered") or [])]:
+        acc = opt.get("accelerators") if isinstance(opt, dict) else None
+        for a in acc if isinstance(acc, (list, set)) else [acc] if acc else []:
+            out += [str(k) for k in a] if isinstance(a, dict) else [str(a).split(":")[0].strip()]
+    return list(dict.fromkeys(out))
+
+
+def memory_check(cfg: Any, recipe: str, gpu: Optional[str] = None) -> list[str]:
+    """``make check``'s memory estimate of ``cfg``'s layout (:mod:`forge_core.memory`): prints one line
+    per GPU (what it holds, the smallest GPU that fits) to stderr and returns the refusals: one line per
+    GPU that cannot hold its services on ``gpu`` (``--gpu``: a name of
+    :data:`forge_core.memory.GPU_MEMORY` or a size in GiB) or, without it, on each GPU the recipe's
+    ``sky.yaml`` names. Nothing for a CPU recipe.
+
+    Raises:
+        PreflightError: ``gpu`` is neither a known GPU name nor a number of GiB.
+    """
+    from forge_core import memory
+    from forge_core.config import recipe_dir
+
+    if cfg.device != "cuda":
+        return []
+    known = {k.lower(): (k, v) for k, v in memory.GPU_MEMORY.items()}
+    if gpu:
+        try:
+            named = {f"a GPU of {float(gpu):g} GiB": float(gpu) * memory.GIB}
+        except ValueError:
+            if gpu.lower() not in known:
+                raise PreflightError(f"--gpu {gpu}: one of {sorted(memory.GPU_MEMORY)} or a size in GiB") from None
+            named = dict([known[gpu.lower()]])
+    else:
+        names = sky_accelerators(recipe_dir(recipe))
+        named = dict(known[n.lower()] for n in names if n.lower() in known)
+        if unknown := [n for n in names if n.lower() not in known]:
+            print(f"memory: not checked on {', '.join(unknown)} (sky.yaml): its size is not in "
+                  f"forge_core.memory.GPU_MEMORY; pass --gpu <GiB>", file=sys.stderr)
+    lines, refusals = memory.report(cfg, named)
+    print("memory estimate per GPU (GiB; forge_core/memory.py):\n  " + "\n  ".join(lines), file=sys.stderr)
+    if named and not refusals:
+        print(f"memory: the layout fits {' and '.join(named)}", file=sys.stderr)
+    return refusals
+
+
 def unfinished_run(path: str) -> Optional[str]:
     """When ``model.path`` names a run (or its ``final/``) that did not finish, e.g. an SFT run to start
     GRPO from: the message saying what the run has (its last logged step, its checkpoints) and how to
@@ -169,11 +224,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ckpt", default=None, help="eval: an HF checkpoint directory (default: the base model)")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
                    help="eval: vllm (a CUDA GPU with the gpu extra; auto picks it there) or hf (CPU)")
+    p.add_argument("--gpu", default=None, help="check: the GPU to check the layout's memory estimate against "
+                   "(H100, H200, A100-80GB, A100, or a size in GiB; default: the ones the recipe's sky.yaml names)")
     a = p.parse_intermixed_args(argv)  # --ckpt before or after the overrides
     if a.ckpt and a.command != "eval":
         p.error("--ckpt is eval's (to train from a checkpoint: model.path=DIR)")
     if a.engine != "auto" and a.command != "eval":
         p.error("--engine is eval's")
+    if a.gpu and a.command != "check":
+        p.error("--gpu is check's (a run measures its GPUs' free memory)")
 
     from forge_core.config import ConfigError, load_config
     from forge_core.controller import Controller, RunFailed
@@ -193,6 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except PreflightError as e:  # this machine's limits (no GPU, no hub): the config itself is valid
                 print(f"note: the config is valid, but it {e}", file=sys.stderr)
             print(data, file=sys.stderr)
+            if refusals := memory_check(cfg, a.recipe, a.gpu):
+                raise PreflightError("the layout does not fit:\n  - " + "\n  - ".join(refusals))
             return 0
         preflight(cfg, a.command, a.ckpt)
     except (ConfigError, PreflightError, DataError, RewardError) as e:

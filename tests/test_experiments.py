@@ -78,6 +78,44 @@ def test_a_copied_recipe_trains_on_its_own_data_and_reward_and_evaluates(tmp_pat
     assert (tmp_path / "runs" / "a" / "final" / "model.safetensors").is_file()
 
 
+EVAL = ["eval.every=1", "eval.at_start=true", "eval.num_questions=3", "eval.samples=2", "eval.temperature=1.0"]
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    """A 3-step run of the tiny model with a sampled held-out evaluation (3 questions, 2 samples,
+    temperature 1) at the start and after every step."""
+    d = tmp_path_factory.mktemp("eval_run")
+    r = cli("run", "smollm2_135m", *TINY, "steps=3", "max_staleness=0", f"output_dir={d}", *EVAL, "run_id=eval")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d / "eval"
+
+
+@pytest.mark.slow
+def test_make_eval_of_final_gives_the_runs_own_evaluation_of_that_version(eval_run):
+    """One score per checkpoint: ``make eval`` of the run's ``final/`` (policy version 3, float32)
+    samples the very responses (``responses_digest``) and gives the same pass@1, pass@2, reward and
+    response length as the run's own evaluation of version 3 (its generator actor in its own process,
+    the weights from the trainer), with a sampled evaluation, so that the calls, seeds, prompts, dtype
+    and settings must all agree. The check can fail: other calls (one question a call) sample other
+    responses."""
+    from forge_core.config import load_config
+    from forge_core.evaluate import evaluate
+
+    run = eval_run
+    last = [x for x in rows(run) if "eval/pass@1" in x][-1]
+    assert last["eval/policy_version"] == 3
+    cfg = load_config("smollm2_135m", [*TINY, *EVAL])
+    res = evaluate(cfg, str(run / "final"), progress=False, engine="hf")
+    assert res["policy_version"] == 3 and res["questions"] == 3 and res["k"] == 2
+    assert res["responses_digest"] == last["eval/responses_digest"]
+    for k in ("pass@1", "pass@2", "reward_mean", "format_rate", "response_len_mean", "truncated_frac"):
+        assert res[k] == last[f"eval/{k}"], k
+    other = evaluate(load_config("smollm2_135m", [*TINY, *EVAL, "eval.batch_size=1"]), str(run / "final"),
+                     progress=False, engine="hf")
+    assert other["responses_digest"] != last["eval/responses_digest"]
+
+
 @pytest.mark.slow
 def test_bad_experiment_input_is_refused_before_anything_is_written(tmp_path):
     """Each refused by ``check`` and by ``run`` (exit 2) naming the file, field or function, with no run

@@ -5,7 +5,9 @@ One code path for both devices: fp32 master weights; bf16 compute by autocast on
 FSDP2's mixed precision (bf16 params, fp32 reductions) over several GPUs; optional full activation
 checkpointing, per-block ``torch.compile`` and TP of ``trainer.tp`` (TorchTitan's own functions).
 With ``trainer.lora.rank`` > 0 (:mod:`forge_core.lora`) only the adapters train (their gradients and
-AdamW state alone), the published weights are the merged ones, checkpoints hold the adapters, and
+AdamW state alone, in fp32), the frozen base is held in the compute dtype (bf16 on GPUs: no fp32
+master copy of weights that never change, and norms whose weight matches their bf16 input, so the
+fused kernels run), the published weights are the merged ones, checkpoints hold the adapters, and
 the trainer also serves the reference's logprobs (:meth:`Trainer.reference_logprobs`: its base model,
 adapters off), so no reference actor holds a second copy of the weights.
 One actor per GPU: every rank gets the whole batch, takes its ``rank::world`` share and scales its
@@ -32,7 +34,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from forge_core import lora as lora_mod
-from forge_core import titan
+from forge_core import memory, titan
 from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
 from forge_core.episode import Episode, collate
 from forge_core.losses import compute_loss
@@ -171,11 +173,13 @@ class Trainer(Actor):
         self.budget = int(self.t.tokens_per_micro_batch)
         hidden = self.spec.hf["hidden_size"]
         self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
+        self.compute = resolve_dtype(self.t.compute_dtype, device, hidden, "trainer")
         self.ac = self._activation_checkpointing(seq_len, shared_gb, shared_frac)
         par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
         self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0,
-                                       lora=self.lora if self.lora.rank else None)
+                                       lora=self.lora if self.lora.rank else None,
+                                       dtype=self.compute if self.lora.rank else torch.float32)  # LoRA: the frozen base
         self.model_cfg = dict(model)
         self.src = pretrained_dir(ModelConfig(**model))
         if self.src:
@@ -199,22 +203,23 @@ class Trainer(Actor):
         if loss["aggregation"] == "fixed_horizon" and loss.get("horizon") is None:
             loss["horizon"] = max_response_tokens  # Dr. GRPO: the generation budget
         self.loss_cfg = OmegaConf.create(loss)
-        self.compute = resolve_dtype(self.t.compute_dtype, device, hidden, "trainer")
         self.autocast = self.compute == torch.bfloat16 and self.world == 1
         self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
 
     def _activation_checkpointing(self, seq_len: int, shared_gb: float, shared_frac: float = 0.0) -> bool:
         """``trainer.activation_checkpointing``, or when unset: on iff the memory estimate without it
-        (:func:`forge_core.titan.train_memory_gb`, the publish staging buffer included) exceeds 85%
+        (:func:`forge_core.memory.trainer_parts`, the publish staging buffer included) exceeds 85%
         (less ``shared_frac``) of this GPU minus ``shared_gb``."""
         if self.t.activation_checkpointing is not None:
             return bool(self.t.activation_checkpointing)
         if self.device.type != "cuda":
             return False
         tokens = self.budget or self.t.micro_batch_size * seq_len
-        need = titan.train_memory_gb(self.spec, self.world, tokens, ac=False,
-                                     trainable=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None,
-                                     staging_bytes=getattr(torch, self.publish_dtype).itemsize)
+        parts = memory.trainer_parts(self.spec.hf, self.world, tokens, ac=False,
+                                     trained=lora_mod.num_params(self.spec.hf, self.lora) if self.lora.rank else None,
+                                     base_bytes=self.compute.itemsize, logprob_chunk=self.t.logprob_chunk,
+                                     staging_bytes=getattr(torch, self.publish_dtype).itemsize if self.rank == 0 else 0)
+        need = sum(v for d in parts for v in d.values()) / 1e9
         have = torch.cuda.get_device_properties(0).total_memory / 1e9 * (0.85 - shared_frac) - shared_gb
         if self.rank == 0:
             print(f"[forge] trainer: activation checkpointing {'on' if need > have else 'off'} (estimate "
@@ -237,6 +242,7 @@ class Trainer(Actor):
         (lp.sum() * 0.0).backward()
         self.opt.zero_grad(set_to_none=True)
         self._sync()
+        torch.cuda.empty_cache()  # the dummy step's activations: a colocated engine wakes into this memory
         dt = time.perf_counter() - t0
         if self.rank == 0:
             print(f"[forge] trainer: torch.compile of the blocks took {dt:.0f} s", flush=True)
@@ -419,9 +425,10 @@ class Trainer(Actor):
 
     @endpoint
     async def state_dict(self) -> dict:
-        """The live fp32 weights as ``{hf_name: tensor}`` on the CPU (rank 0; for tests); with LoRA the
+        """The live weights in float32 as ``{hf_name: tensor}`` on the CPU (rank 0; for tests); with LoRA the
         merged ones (what :meth:`publish` sends)."""
-        out = {k: v.cpu().clone() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
+        out = {k: v.cpu().clone() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter,
+                                                                       dtype=torch.float32)}
         return out if self.rank == 0 else {}
 
     @endpoint

@@ -359,11 +359,15 @@ class VllmGenerator(Actor):
         rollouts, per-request seeds would make its sampler loop over requests, so ``seed`` is recorded
         only. ``sampling`` (held-out evaluation: ``{"n", "temperature", "top_p", "max_tokens"}``, see
         :func:`~forge_core.actors.generator.sampling_of`) makes the requests seeded with ``seed``: the
-        evaluation is reproducible and leaves the engine's sampler state, so the rollouts, as they were."""
+        evaluation is reproducible and leaves the engine's sampler state, so the rollouts, as they were; it
+        starts from an empty prefix cache (cached blocks of earlier rollouts would make its prefill differ
+        from ``make eval``'s engine, and greedy bf16 decoding follows such differences)."""
         from forge_core.actors.generator import sampling_of
 
         async with self.lock:
             wake_s = self._wake(["weights", "kv_cache"])
+            if sampling:  # an evaluation starts from an empty prefix cache, as make eval's fresh engine does
+                self.llm.reset_prefix_cache()
             t0 = time.perf_counter()
             if self.env:
                 eps = self._multi_turn(problems, sampling_of(self.g, sampling), seed if sampling else None)
