@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -53,7 +54,7 @@ def test_buffer_hands_out_the_oldest_versions_first_in_continuous_mode():
     """Groups arrive out of version order in continuous mode; the trainer takes the oldest first (an
     old group left for the next step could exceed the bound there), whole groups in the order added
     among equals. The default order (batch mode) stays the order added."""
-    adds = [[_ep(1, "a"), _ep(1, "a")], [_ep(0, "b"), _ep(0, "b")], [_ep(1, "c"), _ep(1, "c")], [_ep(0, "d"), _ep(0, "d")]]
+    adds = [[_ep(v, p), _ep(v, p)] for v, p in ((1, "a"), (0, "b"), (1, "c"), (0, "d"))]
     by_version, fifo = ReplayBuffer(100, 1, oldest_version_first=True), ReplayBuffer(100, 1)
     for eps in adds:
         by_version.add(eps)
@@ -127,6 +128,90 @@ def test_engine_stream_keeps_requests_across_calls_and_lets_updates_in_between_s
 
 def engine_out(rid, prompt):
     return SimpleNamespace(request_id=rid, finished=True, prompt=prompt)
+
+
+class _Llm:
+    """A stand-in for ``vllm.LLM`` behind :class:`VllmGenerator`: a request of n samples finishes after
+    ``steps`` engine steps with n completions of ``steps`` tokens (vLLM's flat logprobs, the sampled
+    token first); weight loads and prefix-cache resets are counted."""
+
+    def __init__(self, steps: int):
+        self.steps, self.left, self.n, self.loads, self.resets = steps, {}, 0, 0, 0
+        self.llm_engine = self
+
+    def enqueue(self, prompts, params, use_tqdm=False):
+        ids = []
+        for p in prompts:
+            self.n += 1
+            self.left[str(self.n)] = [self.steps, p["prompt_token_ids"], params.n]
+            ids.append(f"{self.n}-0f0f0f0f")
+        return ids
+
+    def step(self):
+        time.sleep(0.002)  # an engine step takes time
+        out = []
+        for rid, x in list(self.left.items()):
+            x[0] -= 1
+            if x[0] == 0:
+                del self.left[rid]
+                toks = list(range(5, 5 + self.steps))
+                lp = SimpleNamespace(start_indices=list(range(len(toks))), token_ids=toks, logprobs=[-0.5] * len(toks))
+                c = SimpleNamespace(token_ids=toks, logprobs=lp, finish_reason="length")
+                out.append(SimpleNamespace(request_id=rid, finished=True, outputs=[c] * x[2]))
+        return out
+
+    def apply_model(self, fn):
+        self.loads += 1
+        return [{"mode": "ipc"}]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def test_vllm_generator_advance_tags_groups_with_their_submission_version():
+    """The vLLM actor's continuous endpoints in this process around a stand-in engine: groups
+    submitted under version 0 and still in flight when version 1 loads (between two engine steps,
+    the prefix cache left alone) come back tagged 0; groups submitted after the load are tagged 1;
+    a held-out evaluation meanwhile gets its own outputs; without continuous mode advance refuses."""
+    from forge_core.actors.vllm_generator import EngineStream, VllmGenerator
+    from forge_core.models import ModelConfig, load_tokenizer
+    from forge_core.weight_sync import WeightHandle
+    from omegaconf import OmegaConf
+
+    cfg = load_config("smollm2_135m", TINY)
+    g = object.__new__(VllmGenerator)  # no engine: the stand-in's
+    g.g, g.name, g.system_prompt, g.env, g.version = cfg.generator, "generator", "", None, 0
+    g.sleeps, g.awake = False, {"weights", "kv_cache"}
+    g.tok = load_tokenizer(ModelConfig(**OmegaConf.to_container(cfg.model)))
+    g.quantized, g.bucket_bytes = False, 1 << 20
+    g.llm, g.lock = _Llm(steps=40), asyncio.Lock()
+    g.stream = EngineStream(g.llm, g.lock)
+    g._sampling = lambda s, ignore_eos=False, seed=None: SimpleNamespace(n=s["n"], max_tokens=s["max_tokens"])
+    ep = lambda name, *args: getattr(VllmGenerator, name)._method(g, *args)  # noqa: E731
+    problems = load_gsm8k("train", os.environ["GSM8K_DIR"])[:4]
+    G = cfg.generator.group_size
+
+    async def go():
+        done, held, _ = await ep("advance", [(1, problems[0]), (2, problems[1])], 0, 0.01)
+        assert done == [] and sorted(held) == [1, 2]
+        r = await ep("update_weights", WeightHandle(version=1, layout=[], dtype="bfloat16", nbytes=1))
+        assert r["version"] == 1 and g.llm.loads == 1 and g.llm.resets == 0 and g.llm.left  # loaded in flight
+        done, held, _ = await ep("advance", [(3, problems[2])], 0, 0.01)
+        evals, _ = await ep("generate", problems[3:4], 7, {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 8})
+        assert len(evals) == 1 and evals[0].prompt_id == problems[3].id  # beside the rollouts, its own output
+        got = {}
+        while len(got) < 3:
+            done, held, busy = await ep("advance", [], 0, 5.0)
+            got.update(done)
+        assert {k: {e.policy_version for e in eps} for k, eps in got.items()} == {1: {0}, 2: {0}, 3: {1}}
+        assert all(len(eps) == G and all(len(e.behaviour_logprobs) == len(e.response_ids) == 40 for e in eps)
+                   for eps in got.values())
+        assert [e.prompt_id for e in got[3]] == [problems[2].id] * G and held == []
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    g.stream = None
+    with pytest.raises(RuntimeError, match="advance needs rollout.mode=continuous"):
+        asyncio.run(ep("advance", [], 0, 0.0))
 
 
 # ---- the Controller around stand-in replicas -------------------------------------------------------
