@@ -79,6 +79,29 @@ class GeneratorConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """How the rollout loop keeps the generator replicas busy (:mod:`forge_core.rollout_loop`).
+
+    ``mode``: ``batch`` (default) generates a rollout batch (``prompts_per_step`` groups) per call
+    and starts the next once a replica is free and may generate it; ``continuous`` keeps groups in
+    flight across step boundaries (AReaL's asynchronous RL, verl's fully asynchronous mode,
+    PipelineRL's in-flight weight updates): a finished group is scored and enters the replay
+    buffer at once, a new group is submitted as a slot frees up, and weight updates land while
+    groups are in flight (vLLM: between two engine steps, the in-flight requests keep their KV
+    cache; the ``hf`` backend: between two generate calls). Each episode's ``policy_version`` is
+    the version its group was submitted under, the oldest weights any of its tokens came from, so
+    ``max_staleness`` (>= 1 here) holds per group; ``loss.rollout_correction`` weighs the tokens a
+    newer version sampled by the trainer-to-sampler ratio as for any stale token. Single-turn
+    episodes only (no ``env.fn``); a checkpoint drains the replicas first, so it stays exact, but
+    the groups a run trains after it depend on timing (not bit-reproducible).
+    ``max_concurrent_groups``: groups in flight per replica in ``continuous`` mode (0: the share
+    of ``max_staleness + 1`` rollout batches, at most ``generator.max_num_seqs / group_size``)."""
+
+    mode: str = "batch"
+    max_concurrent_groups: int = 0
+
+
+@dataclass
 class TrainerConfig:
     """The policy optimiser: AdamW (``lr``, ``betas``, decoupled ``weight_decay``) with the global
     gradient L2 norm clipped at ``max_grad_norm``. ``micro_batch_size``: sequences per
@@ -244,6 +267,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -297,7 +321,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                "checkpoint.final_dtype": ("float32", "bfloat16"),
                "generator.sleep_level": (0, 1, 2), "weight_sync.transport": ("auto", "ipc", "nccl", "rdma"),
                "advantage.estimator": ADVANTAGE_ESTIMATORS, "trainer.mps_client_priority": (0, 1),
-               "data.source": SOURCES, "env.tool_format": TOOL_FORMATS,
+               "data.source": SOURCES, "env.tool_format": TOOL_FORMATS, "rollout.mode": ("batch", "continuous"),
                "generator.kv_cache_dtype": ("auto", "fp8") if cfg.generator.backend == "vllm" else ("auto",),
                "generator.quantization": ("none", "fp8") if cfg.generator.backend == "vllm" else ("none",)}
     for key, allowed in choices.items():
@@ -316,7 +340,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
                     "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.disk_gb", "layout.trainer.gpus",
                     "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host",
-                    "eval.every", "eval.temperature", "env.max_turn_tokens")
+                    "eval.every", "eval.temperature", "env.max_turn_tokens", "rollout.max_concurrent_groups")
     fractions = ("generator.top_p", "generator.gpu_memory_utilization", "eval.top_p")
     for keys, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                            (fractions, lambda v: 0 < v <= 1, "in (0, 1]")):
@@ -378,6 +402,7 @@ def _check(cfg: DictConfig, where: str) -> None:
         plan = plan_layout(cfg, hf.get("num_attention_heads"))
     except (LayoutError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
+    _check_rollout(cfg, where, plan.colocated)
     if plan.colocated and cfg.max_staleness != 0 and cfg.generator.sleep_level != 0:
         raise ConfigError(f"{where}: one GPU per node (colocated trainer and generator) needs max_staleness=0: "
                           f"the generator sleeps while the trainer uses the GPU, so the loops must alternate "
@@ -387,6 +412,25 @@ def _check(cfg: DictConfig, where: str) -> None:
         raise ConfigError(f"{where}: weight_sync.transport=ipc needs every generator replica on the trainer's node "
                           f"(layout.trainer.host={plan.trainer.host}; generator nodes {sorted(hosts)}): IPC does not "
                           f"cross hosts; use auto, nccl or rdma")
+
+
+def _check_rollout(cfg: DictConfig, where: str, colocated: bool) -> None:
+    """``rollout.mode=continuous`` (groups stay in flight across weight syncs) needs ``max_staleness``
+    >= 1, single-turn episodes and, with one GPU per node, an engine that never sleeps. Raises
+    ConfigError naming the key."""
+    if cfg.rollout.mode != "continuous":
+        return
+    if cfg.max_staleness < 1:
+        raise ConfigError(f"{where}: rollout.mode=continuous needs max_staleness >= 1: with max_staleness=0 no group "
+                          f"may be generating while the trainer steps (it would be a version behind), so generation "
+                          f"stops at every step, which is rollout.mode=batch; set max_staleness=1 (every group at most "
+                          f"one version behind) or rollout.mode=batch (fully on-policy)")
+    if colocated and cfg.generator.sleep_level != 0:
+        raise ConfigError(f"{where}: rollout.mode=continuous with one GPU per node needs generator.sleep_level=0: a "
+                          f"sleeping engine cannot hold groups in flight while the trainer uses the GPU")
+    if cfg.env.fn:
+        raise ConfigError(f"{where}: rollout.mode=continuous runs single-turn episodes; env.fn={cfg.env.fn!r} "
+                          f"(multi-turn) needs rollout.mode=batch")
 
 
 def _check_env(cfg: DictConfig, where: str) -> None:

@@ -25,7 +25,10 @@ With S=1 (default) rollout k+1 overlaps training step k; with 0 the loops altern
 on-policy). Batch k's reward, reference and advantages run while batch k+1 generates (when its
 replicas are eligible), so the reference's forward is off the rollout path. A checkpoint is taken at
 a quiet point (no batch generating or being finished, sync done), so a resumed run sees exactly the
-batch the uninterrupted run would have seen. The rollout loop is :mod:`forge_core.rollout_loop` (the
+batch the uninterrupted run would have seen. With ``rollout.mode=continuous`` the left column works
+on groups instead of batches: each replica keeps groups in flight across step boundaries and a
+finished group goes to the buffer at once (drawn in :mod:`forge_core.rollout_loop`); a checkpoint
+drains the replicas first. The rollout loop is :mod:`forge_core.rollout_loop` (the
 rollout of one episode, single- or multi-turn, happens in a generator replica: :mod:`forge_core.rollout`);
 fault supervision :mod:`forge_core.supervision`; both are parts of :class:`Controller`. Spawning and
 placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
@@ -91,7 +94,7 @@ class Controller(RolloutLoop, Supervision):
         self.last_rollouts: list[dict] = []  # the ones the last log line reported (reused while none finish)
         self.changed = asyncio.Condition()
         self.buffered = 0
-        self.rollouts_in_flight = 0  # batches generating or being finished (reward, reference, buffer)
+        self.rollouts_in_flight = 0  # batches (continuous mode: groups) generating or being finished
         self.paused = False  # set while a checkpoint is written
         self.loading = False  # set while the replicas load a new version (rollouts wait: see rollout_loop)
         self.sync_task: Optional[asyncio.Task] = None
@@ -383,7 +386,8 @@ class Controller(RolloutLoop, Supervision):
         t0 = time.perf_counter()
         timeout = cfg.weight_sync.timeout_s + cfg.fault.call_timeout_s  # a network transfer
         # a load is a local copy, queued behind at most one generate call (a whole batch) of its replica
-        load_timeout = self._deadline(self.B * cfg.generator.max_response_tokens) + cfg.fault.call_timeout_s
+        load_timeout = self._deadline(self.episodes_per_call() * cfg.generator.max_response_tokens) \
+            + cfg.fault.call_timeout_s
         failed: dict[int, ActorFailed] = {}  # replica -> its failed call of this sync
         staged = {}  # node leader -> a same-host handle of its staged copy, for its node's followers
 

@@ -229,7 +229,8 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
     if role == "reward":
         return {"reward_cfg": _section(cfg, "reward")}
     if role == "replay_buffer":
-        return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness}
+        return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness,
+                "oldest_version_first": cfg.rollout.mode == "continuous"}
     gpu = cfg.device == "cuda"
     kw = dict(seed=cfg.seed, threads=max(cfg.threads_per_actor, 4) if gpu else cfg.threads_per_actor,
               model=_section(cfg, "model"),
@@ -241,7 +242,7 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
         if gpu:
             g = cfg.generator
             kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
-                      bucket_mb=cfg.weight_sync.bucket_mb,
+                      bucket_mb=cfg.weight_sync.bucket_mb, continuous=cfg.rollout.mode == "continuous",
                       max_model_len=g.max_prompt_tokens + max(g.max_response_tokens, eval_max_tokens(cfg)))
         return kw
     kw.update(device=cfg.device, temperature=cfg.generator.temperature, port=port,

@@ -237,6 +237,11 @@ class Generator(Actor):
         evaluation; ``temperature`` 0: greedy). Every episode records ``policy_version`` = the version of
         the weights that sampled it.
         """
+        return self._rollout(problems, seed, sampling)
+
+    def _rollout(self, problems: list[Problem], seed: int, sampling: Optional[dict] = None
+                 ) -> tuple[list[Episode], dict]:
+        """:meth:`generate`'s work, in this process."""
         s = sampling_of(self.g, sampling)
         t0 = time.perf_counter()
         if self.env:
@@ -263,6 +268,22 @@ class Generator(Actor):
                        truncated=o["truncated"]) for i, o in enumerate(outs)]
         ntok = sum(len(e.response_ids) for e in eps)
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt}
+
+    @endpoint
+    async def advance(self, submit: list[tuple[int, Problem]], seed: int, wait_s: float = 0.0
+                      ) -> tuple[list[tuple[int, list[Episode]]], list[int], float]:
+        """Continuous rollouts (``rollout.mode=continuous``, :mod:`forge_core.rollout_loop`): start
+        the groups ``submit`` (``[(key, problem)]``) and return ``(finished, held, busy_s)``:
+        ``finished`` the groups done, ``[(key, G episodes)]``, ``held`` the keys still generating,
+        ``busy_s`` the seconds spent generating. Here an engine step is one ``generate`` over the
+        groups submitted (seeded with ``seed``), so every group finishes in the call that starts it
+        (``held`` is empty, ``wait_s`` unused) and weight updates land between groups: each episode
+        comes from the version it is tagged with."""
+        if not submit:
+            return [], [], 0.0
+        G = self.g.group_size
+        eps, st = self._rollout([p for _, p in submit], seed)
+        return [(key, eps[i * G:(i + 1) * G]) for i, (key, _) in enumerate(submit)], [], st["gen_s"]
 
     @endpoint
     async def sft_episodes(self, problems: list[Problem], targets: list[str]) -> list[Episode]:

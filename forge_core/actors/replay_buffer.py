@@ -17,10 +17,14 @@ class ReplayBuffer:
         capacity: at most this many episodes are held; adding more evicts the oldest.
         max_staleness: an episode sampled with policy version v may train step s only if
             ``s - v <= max_staleness`` (off-policy staleness bound); older ones are evicted.
+        oldest_version_first: :meth:`sample` takes the lowest policy versions first (in the order
+            added among equals) instead of the order added: continuous rollouts add groups of
+            several versions out of order, and an old group left for the next step might exceed
+            the bound there.
     """
 
-    def __init__(self, capacity: int, max_staleness: int):
-        self.capacity, self.max_staleness = capacity, max_staleness
+    def __init__(self, capacity: int, max_staleness: int, oldest_version_first: bool = False):
+        self.capacity, self.max_staleness, self.oldest_version_first = capacity, max_staleness, oldest_version_first
         self.items: deque[Episode] = deque()
         self.evicted_stale = self.evicted_capacity = 0
 
@@ -32,13 +36,19 @@ class ReplayBuffer:
             self.evicted_capacity += 1
 
     def sample(self, n: int, step: int) -> Optional[list[Episode]]:
-        """The ``n`` oldest usable episodes for training step ``step`` (removed), or ``None`` if
-        fewer than ``n`` are usable (nothing is removed then, except stale episodes)."""
+        """The ``n`` oldest usable episodes for training step ``step`` (removed; the first added, or
+        with ``oldest_version_first`` the lowest versions), or ``None`` if fewer than ``n`` are
+        usable (nothing is removed then, except stale episodes)."""
         before = len(self.items)
         self.items = deque(e for e in self.items if step - e.policy_version <= self.max_staleness)
         self.evicted_stale += before - len(self.items)
         if len(self.items) < n:
             return None
+        if self.oldest_version_first:
+            take = set(sorted(range(len(self.items)), key=lambda i: (self.items[i].policy_version, i))[:n])
+            out = [e for i, e in enumerate(self.items) if i in take]
+            self.items = deque(e for i, e in enumerate(self.items) if i not in take)
+            return sorted(out, key=lambda e: e.policy_version)
         return [self.items.popleft() for _ in range(n)]
 
     def __len__(self) -> int:
@@ -52,8 +62,8 @@ class ReplayBuffer:
 class ReplayBufferActor(Actor):
     """:class:`ReplayBuffer` as a Monarch actor."""
 
-    def __init__(self, capacity: int, max_staleness: int):
-        self.buf = ReplayBuffer(capacity, max_staleness)
+    def __init__(self, capacity: int, max_staleness: int, oldest_version_first: bool = False):
+        self.buf = ReplayBuffer(capacity, max_staleness, oldest_version_first)
 
     @endpoint
     async def add(self, episodes: list[Episode]) -> int:

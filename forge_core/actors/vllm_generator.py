@@ -19,6 +19,12 @@
   host memory, KV cache freed) so the trainer has the memory; an update wakes the weights only;
   the next generation wakes the KV cache. ``generator.sleep_level=0``: the engine never sleeps and
   keeps its share of the GPU, so generation may run while the trainer trains (``max_staleness=1``).
+- Continuous rollouts (``rollout.mode=continuous``, :meth:`VllmGenerator.advance`): requests stay in
+  the engine across calls and a task of this actor steps it (``LLMEngine.step``) between messages
+  (:class:`EngineStream`); a weight update lands between two engine steps and the requests in flight
+  go on with their KV cache (PipelineRL's in-flight update), so each group is tagged with the version
+  it was submitted under, the oldest weights its tokens came from. Prefix caching is off in this mode:
+  a cached prompt block computed by older weights would be older than its new request's tag.
 """
 
 from __future__ import annotations
@@ -61,11 +67,13 @@ def vllm_model_dir(model_name: str, max_len: int) -> str:
     return path
 
 
-def make_engine(g, model_name: str, max_len: int, *, tp: int = 1, seed: int = 0, sleep_mode: bool = False):
+def make_engine(g, model_name: str, max_len: int, *, tp: int = 1, seed: int = 0, sleep_mode: bool = False,
+                prefix_caching: bool = True):
     """The vLLM engine (``vllm.LLM``) of the ``generator`` config ``g`` for ``model_name``, as every
     replica runs it: dummy weights (the trainer's come with the first sync), token-id prompts,
-    prefix caching, ``processed_logprobs``, ``g``'s memory share, ``max_num_seqs``, dtype, KV cache
-    dtype and ``quantization`` (``fp8``: vLLM's online FP8 weights). ``max_len`` in tokens.
+    prefix caching (unless ``prefix_caching`` is False), ``processed_logprobs``, ``g``'s memory share,
+    ``max_num_seqs``, dtype, KV cache dtype and ``quantization`` (``fp8``: vLLM's online FP8
+    weights). ``max_len`` in tokens.
 
     Raises:
         ValueError: ``generator.quantization`` set on a GPU without FP8 tensor cores (names the GPU)."""
@@ -82,7 +90,7 @@ def make_engine(g, model_name: str, max_len: int, *, tp: int = 1, seed: int = 0,
                              f"H200, B200); set generator.quantization=none")
     return LLM(model=vllm_model_dir(model_name, max_len), skip_tokenizer_init=True, load_format="dummy",
                dtype="bfloat16" if g.dtype == "auto" else g.dtype, gpu_memory_utilization=g.gpu_memory_utilization,
-               max_model_len=max_len, enable_prefix_caching=True, tensor_parallel_size=tp, seed=seed,
+               max_model_len=max_len, enable_prefix_caching=prefix_caching, tensor_parallel_size=tp, seed=seed,
                logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode, max_num_seqs=g.max_num_seqs,
                kv_cache_dtype=g.kv_cache_dtype, quantization="fp8" if quantized else None)
 
@@ -250,6 +258,100 @@ def _state_dict(model, layout, hf):
     return {k: v.detach().cpu().clone() for k, v in hf_views_of_vllm(dict(model.named_parameters()), layout, hf)}
 
 
+class EngineStream:
+    """Requests kept in one vLLM engine across actor calls (``rollout.mode=continuous``): a task of
+    the actor's event loop runs ``LLMEngine.step`` while any request is unfinished, one step at a
+    time under ``lock`` (the actor's: a weight update or another engine call takes it between two
+    steps) and yielding to the actor's messages after each. Finished requests wait, with the tag
+    they were added with, until :meth:`groups` (tagged rollout groups) or :meth:`run` (untagged
+    requests, e.g. a held-out evaluation beside the rollouts) takes them.
+
+    Args:
+        llm: a ``vllm.LLM`` (``enqueue``, ``llm_engine.step``), or anything with those two.
+        lock: the actor's ``asyncio.Lock`` around engine calls.
+    """
+
+    def __init__(self, llm, lock: asyncio.Lock):
+        self.llm, self.lock = llm, lock
+        self.tags: dict = {}  # request id -> its tag (None: a request of run()), until taken
+        self.outputs: dict = {}  # request id -> its finished RequestOutput, until taken
+        self.changed = asyncio.Event()
+        self.error: Optional[BaseException] = None
+        self.task: Optional[asyncio.Task] = None
+        self.busy_s = 0.0  # engine-step seconds since take_busy()
+
+    def add(self, prompts: list[list[int]], params, tags: list) -> list[str]:
+        """Add one request per token-id prompt (``params``: one ``SamplingParams`` for all) with its
+        tag (not None for a rollout group); start stepping. Returns their request ids."""
+        # token-id prompts as vllm.inputs.TokensPrompt (a TypedDict); vLLM 0.26's enqueue returns its internal
+        # ids, f"{id}-{8 random characters}", and a RequestOutput carries the id alone
+        ids = [rid.split("-")[0] for rid in self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params,
+                                                                use_tqdm=False)]
+        self.tags.update(zip(ids, tags))
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._step())
+        return ids
+
+    async def _step(self) -> None:
+        """Step the engine while a request is unfinished; an error is kept for the next taker."""
+        try:
+            while len(self.outputs) < len(self.tags):
+                async with self.lock:
+                    t0 = time.perf_counter()
+                    outs = self.llm.llm_engine.step()
+                    self.busy_s += time.perf_counter() - t0
+                for o in outs:
+                    if o.finished and o.request_id in self.tags:
+                        self.outputs[o.request_id] = o
+                        self.changed.set()
+                await asyncio.sleep(0)  # the actor's messages (an update, an advance) run between two steps
+        except Exception as e:
+            self.error = e
+            self.changed.set()
+
+    async def _wait(self, timeout: Optional[float]) -> None:
+        """Until a request finishes (or ``timeout`` seconds). Raises RuntimeError when stepping failed."""
+        if self.error is None:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout)
+            except TimeoutError:
+                pass
+        if self.error is not None:
+            raise RuntimeError(f"vLLM engine step failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    def _take(self, rid: str) -> tuple:
+        return self.tags.pop(rid), self.outputs.pop(rid)
+
+    async def groups(self, wait_s: float) -> list[tuple]:
+        """``[(tag, RequestOutput)]`` of the finished rollout groups (taken out), waiting up to
+        ``wait_s`` seconds for one when none is finished and some are generating."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            done = [rid for rid in self.outputs if self.tags[rid] is not None]
+            left = deadline - time.monotonic()
+            if done or left <= 0 or not self.held():
+                return [self._take(rid) for rid in done]
+            await self._wait(left)
+
+    async def run(self, prompts: list[list[int]], params) -> list:
+        """Generate ``prompts`` beside the requests in flight: their RequestOutputs, in order, once all
+        are finished."""
+        ids = self.add(prompts, params, [None] * len(prompts))
+        while not all(rid in self.outputs for rid in ids):
+            await self._wait(None)
+        return [self._take(rid)[1] for rid in ids]
+
+    def held(self) -> list[int]:
+        """Keys (tag[0]) of the rollout groups still generating."""
+        return [t[0] for rid, t in self.tags.items() if t is not None and rid not in self.outputs]
+
+    def take_busy(self) -> float:
+        """Engine-step seconds since the last call."""
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
+
 class VllmGenerator(Actor):
     """Rollout generation with vLLM (``generator.backend=vllm``).
 
@@ -267,12 +369,14 @@ class VllmGenerator(Actor):
             detokenizer here, so samples end at EOS or the token budget only.
         env: the ``env`` section: with ``env.fn`` set, episodes are multi-turn
             (:func:`forge_core.rollout.rollout_episodes`; every turn batches the episodes still going).
+        continuous: ``rollout.mode=continuous``: an engine without prefix caching, driven by
+            :meth:`advance` (see the module docstring).
     """
 
     def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
                  replica: str = "generator", gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0,
                  bucket_mb: int = 1024, max_model_len: int = 0, stop_after_answer: bool = False,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, continuous: bool = False):
         from omegaconf import OmegaConf
 
         from forge_core.actors.process import setup_process
@@ -303,11 +407,13 @@ class VllmGenerator(Actor):
         t0 = time.perf_counter()
         self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
         self.quantized = g.get("quantization", "none") != "none"
-        self.llm = make_engine(g, self.model_name, self.max_len, tp=self.tp, seed=seed, sleep_mode=self.sleeps)
+        self.llm = make_engine(g, self.model_name, self.max_len, tp=self.tp, seed=seed, sleep_mode=self.sleeps,
+                               prefix_caching=not continuous)
         self.startup_s = time.perf_counter() - t0
         self.version = 0
         self.awake = {"weights", "kv_cache"}
         self.lock = asyncio.Lock()
+        self.stream = EngineStream(self.llm, self.lock) if continuous else None
         self.layout: Optional[list] = None
         self.handle: Optional[WeightHandle] = None
         self.bucket_bytes = int(bucket_mb) << 20
@@ -364,6 +470,14 @@ class VllmGenerator(Actor):
         from ``make eval``'s engine, and greedy bf16 decoding follows such differences)."""
         from forge_core.actors.generator import sampling_of
 
+        if self.stream is not None and not self.env:  # beside the rollouts in flight, through the stepping task
+            t0, prompts = time.perf_counter(), self.prompt_ids(problems)
+            outs = await self.stream.run(prompts, self._sampling(sampling_of(self.g, sampling),
+                                                                  seed=seed if sampling else None))
+            dt = time.perf_counter() - t0
+            eps = self._episodes(outs, prompts, problems)
+            ntok = sum(len(e.response_ids) for e in eps)
+            return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": 0.0, "sleep_s": 0.0}
         async with self.lock:
             wake_s = self._wake(["weights", "kv_cache"])
             if sampling:  # an evaluation starts from an empty prefix cache, as make eval's fresh engine does
@@ -383,6 +497,33 @@ class VllmGenerator(Actor):
         eps = self._episodes(outs, prompts, problems)
         ntok = sum(len(e.response_ids) for e in eps)
         return eps, {"gen_s": dt, "gen_tokens": ntok, "gen_tok_s": ntok / dt, "wake_s": wake_s, "sleep_s": sleep_s}
+
+    @endpoint
+    async def advance(self, submit: list[tuple[int, Problem]], seed: int, wait_s: float
+                      ) -> tuple[list[tuple[int, list[Episode]]], list[int], float]:
+        """Continuous rollouts (``rollout.mode=continuous``, :mod:`forge_core.rollout_loop`): add the
+        groups ``submit`` (``[(key, problem)]``, one request of n = G samples each) to the engine,
+        tagged with the version loaded now, and return ``(finished, held, busy_s)`` as soon as a group
+        has finished or after ``wait_s`` seconds: ``finished`` = ``[(key, G episodes)]`` (each
+        episode's ``policy_version`` its group's tag), ``held`` = keys still generating, ``busy_s`` =
+        engine-step seconds since the previous call. vLLM's sampler is seeded per engine: ``seed``
+        is recorded only. Raises RuntimeError when the engine failed while stepping."""
+        from forge_core.actors.generator import sampling_of
+
+        if self.stream is None:
+            raise RuntimeError(f"{self.name}: advance needs rollout.mode=continuous (an engine made for it)")
+        if submit:
+            prompts = self.prompt_ids([p for _, p in submit])
+            self.stream.add(prompts, self._sampling(sampling_of(self.g)),
+                            [(key, p, ids, self.version) for (key, p), ids in zip(submit, prompts)])
+        done = await self.stream.groups(wait_s)
+        out = []
+        for (key, problem, ids, version), o in done:
+            eps = self._episodes([o], [ids], [problem])
+            for e in eps:
+                e.policy_version = version
+            out.append((key, eps))
+        return out, self.stream.held(), self.stream.take_busy()
 
     def _multi_turn(self, problems: list[Problem], s: dict, seed: Optional[int]) -> list[Episode]:
         """Multi-turn episodes (:func:`forge_core.rollout.rollout_episodes`): each turn is one
@@ -460,7 +601,8 @@ class VllmGenerator(Actor):
                                                     bucket_bytes=self.bucket_bytes))[0]
             else:
                 r = self.llm.apply_model(partial(_load, handle=_local(handle), bucket_bytes=self.bucket_bytes))[0]
-            self.llm.reset_prefix_cache()
+            if self.stream is None:  # continuous: no prefix cache; the requests in flight keep their KV cache
+                self.llm.reset_prefix_cache()
             dt = time.perf_counter() - t0
             self.version, self.layout, self.handle = handle.version, handle.layout, handle
         return {"version": self.version, "sync_s": dt, "sync_gb_s": handle.nbytes / dt / 1e9, "wake_s": wake_s,

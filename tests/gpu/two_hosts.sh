@@ -9,6 +9,8 @@
 #                                   kills the generator (on node 1) 3 s after step n: the run must recover;
 #                                   LOOP_ARGS adds overrides (say generator.quantization=fp8 loss.rollout_correction=tis),
 #                                   LOOP_NAME names the run (default hosts_nccl)
+#   tests/gpu/two_hosts.sh loopcont the loop's run with rollout.mode=batch, then with continuous (CONT_ARGS adds
+#                                   overrides to the second, say max_staleness=2), each with its summary line
 #   tests/gpu/two_hosts.sh looprdma the same with weight_sync.transport=rdma
 #   tests/gpu/two_hosts.sh loop8b   the Llama-3.1-8B shape with 16 of its layers (llama3_8b_16l), 5 steps, auto
 #   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
@@ -69,6 +71,11 @@ for stage in "$@"; do
     loop)
       loop "${LOOP_NAME:-hosts_nccl}" qwen3_1_7b steps=7 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.timeout_s=90 \
         ${LOOP_ARGS:-} ;;
+    loopcont)
+      for mode in batch continuous; do
+        loop "hosts_$mode" qwen3_1_7b steps=7 trainer.compile=true generator.gpu_memory_utilization=0.6 \
+          weight_sync.timeout_s=90 ${LOOP_ARGS:-} rollout.mode=$mode $([ $mode = continuous ] && echo "${CONT_ARGS:-}")
+      done ;;
     looprdma)
       loop hosts_rdma qwen3_1_7b steps=5 trainer.compile=true generator.gpu_memory_utilization=0.6 weight_sync.transport=rdma ;;
     loop8b)
