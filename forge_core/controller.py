@@ -53,6 +53,7 @@ in a row end the run. Checkpoints are staged in host memory and written in the b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -120,6 +121,7 @@ class Controller(RolloutLoop, Supervision):
         self.mlog: Optional[MetricsLog] = None
         self.last_eval: dict = {}
         self.startup_s = 0.0  # seconds from the start of run() to the first weights everywhere
+        self.started = False  # start() done: from then on the trainer and the replay buffer are recovered
 
     # ---- the run: set-up, the training loop, the end ------------------------------------------
     async def run(self) -> dict:
@@ -141,8 +143,6 @@ class Controller(RolloutLoop, Supervision):
         try:
             self.svc = await spawn_services(cfg, self.hosts)
             self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-            await self.start()
-            self.startup_s = time.perf_counter() - t_start
             while True:
                 try:
                     return await (self._run_sft(t_start) if cfg.loss.name == "sft" else self._run(t_start))
@@ -159,7 +159,11 @@ class Controller(RolloutLoop, Supervision):
         raised here. ``t_start``: :func:`time.perf_counter` at the start of :meth:`run`; called again
         after an in-run recovery, from the checkpoint's step. Returns the last step's row (empty when
         no step was left)."""
-        cfg, s, startup_s = self.cfg, self.svc, self.startup_s
+        cfg, s = self.cfg, self.svc
+        if not self.started:  # (after an in-run recovery: started, the state restored)
+            await self.start()
+            self.startup_s = time.perf_counter() - t_start
+        startup_s = self.startup_s
         # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
         mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                                       os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
@@ -210,6 +214,9 @@ class Controller(RolloutLoop, Supervision):
                 self._show(bar, shown)  # the last evaluation finishes after the last step
             await self._checkpoint_written()
             await self.save_final()
+        except Exception as e:  # the run ends or goes back to a checkpoint: the one being written first
+            await self._settle_checkpoint(e)
+            raise
         finally:
             rollouts.cancel()
             for t in (rollouts, self.sync_task, self.ckpt_task):  # retrieve a failure already raised elsewhere
@@ -225,7 +232,11 @@ class Controller(RolloutLoop, Supervision):
         one step on the targets' cross-entropy; publish the weights to the replicas only to evaluate
         them (``eval.*``, as in GRPO); log a row, checkpoint every ``checkpoint.every`` steps; at the end
         save ``final/``. No rollouts, reference or replay buffer. Returns the last step's row."""
-        cfg, s, startup_s = self.cfg, self.svc, self.startup_s
+        cfg, s = self.cfg, self.svc
+        if not self.started:
+            await self.start()
+            self.startup_s = time.perf_counter() - t_start
+        startup_s = self.startup_s
         mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                                       os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
         if cfg.eval.at_start and self.step == 0 and not self.rolled_back:
@@ -267,6 +278,9 @@ class Controller(RolloutLoop, Supervision):
                 self._show(bar, shown)
             await self._checkpoint_written()
             await self.save_final()
+        except Exception as e:
+            await self._settle_checkpoint(e)
+            raise
         finally:
             for t in (self.sync_task, self.ckpt_task):
                 if t is not None and t.done() and not t.cancelled():
@@ -311,6 +325,7 @@ class Controller(RolloutLoop, Supervision):
         if ckpt:
             await self.restore(ckpt)
         await self.publish_and_sync()
+        self.started = True
 
     async def shutdown(self) -> None:
         """Stop every actor process (idempotent; nothing to do when spawning failed)."""
@@ -565,6 +580,17 @@ class Controller(RolloutLoop, Supervision):
         task, self.ckpt_task = self.ckpt_task, None
         if task is not None:
             await task
+
+    async def _settle_checkpoint(self, error: BaseException) -> None:
+        """The training loop stops with ``error``: a checkpoint being written is finished first (the run
+        ends, or goes back to that checkpoint), unless the trainer failed (its files may never be
+        complete: the checkpoint is given up). A failure of the write itself is dropped."""
+        task, self.ckpt_task = self.ckpt_task, None
+        if task is not None and getattr(error, "actor", "") != "trainer":
+            with contextlib.suppress(Exception):
+                await task
+        elif task is not None:
+            task.cancel()
 
     def _ckpt_row(self) -> dict:
         """The checkpoint figures for the next metrics row (0 when none since the previous row)."""

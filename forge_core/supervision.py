@@ -20,7 +20,7 @@ import time
 from typing import Any, Awaitable, Callable, Optional
 
 from forge_core import checkpoint
-from forge_core.services import ActorFailed, RunFailed, Service, call, call_all, clip
+from forge_core.services import ActorFailed, BaseModelReference, RunFailed, Service, call, call_all, clip
 
 RECOVERED = ("trainer", "replay_buffer")  # the services whose failure rolls the run back to a checkpoint
 
@@ -66,8 +66,11 @@ class Supervision:
     async def _revive(self, failed: Service, error: BaseException) -> None:
         """Respawn the reward, the reference or generator replica ``failed`` and restore its state
         (see the module docstring); nothing when it was already replaced since. Raises ReplicaDropped
-        for a replica given up (:meth:`_drop`), ActorFailed when the restarts are used up otherwise."""
+        for a replica given up (:meth:`_drop`), ActorFailed when the restarts are used up otherwise, and
+        ActorFailed naming the trainer for a reference the trainer serves (LoRA: :meth:`recover` acts)."""
         name, generator = failed.name, failed.name.startswith("generator")
+        if isinstance(failed, BaseModelReference):  # (LoRA) the trainer's processes failed: recover() acts
+            raise ActorFailed(f"{error} (the reference is the trainer's base model, trainer.lora)", "trainer") from error
         async with self.sync_lock if generator else contextlib.nullcontext():
             if generator and self.svc.generators.index(failed) in self.dropped:
                 raise ReplicaDropped(name) from error
@@ -159,11 +162,12 @@ class Supervision:
         ``faults.jsonl`` records it (``rollback_to``, ``steps_recomputed``, ``checkpoint``).
 
         Raises:
-            error: it is not the trainer's or the replay buffer's (or its restarts are used up).
+            error: it is not the trainer's or the replay buffer's (or its restarts are used up), or
+                the run had not started (:meth:`~forge_core.controller.Controller.start` not done).
             RunFailed: the newest checkpoint and the one before it are both damaged (names both).
         """
         name = getattr(error, "actor", "")
-        if name not in RECOVERED or getattr(self.svc, "buffer" if name == "replay_buffer" else name) is None:
+        if not self.started or name not in RECOVERED or getattr(self.svc, "buffer" if name == "replay_buffer" else name) is None:
             raise error
         self._count_restart(name, error)
         t0, from_step = time.perf_counter(), self.step

@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from forge_core import checkpoint
 from forge_core.config import ConfigError, load_config
 from forge_core.controller import Dispatcher, sync_routes
 from forge_core.layout import Slot
 from forge_core.metrics import step_row
 from forge_core.services import ActorFailed, BaseModelReference, Services
 from forge_core.supervision import ReplicaDropped, Supervision
-from helpers import TINY
+from helpers import TINY, rows
 
 
 def test_min_replicas_beyond_the_layout_is_refused_naming_the_key():
@@ -29,13 +30,19 @@ def test_min_replicas_beyond_the_layout_is_refused_naming_the_key():
 
 def test_only_the_trainer_and_the_replay_buffer_take_the_run_back():
     """recover() raises every other failure as it is, before touching anything: a generator's, an
-    exhausted service's (no actor named), the replay buffer's in a run that has none (SFT)."""
-    sup = SimpleNamespace(svc=SimpleNamespace(trainer=object(), buffer=None))
+    exhausted service's (no actor named), the replay buffer's in a run that has none (SFT), and the
+    trainer's while the run starts."""
+    sup = SimpleNamespace(svc=SimpleNamespace(trainer=object(), buffer=None), started=True)
     for e in (ActorFailed("actor 'generator' failed", "generator"), ActorFailed("failed 4 times"),
               ActorFailed("actor 'replay_buffer' failed", "replay_buffer"), RuntimeError("not an actor's")):
         with pytest.raises(type(e)) as got:
             asyncio.run(Supervision.recover(sup, e))
         assert got.value is e
+    sup.started = False  # a failure while the run starts (start() not done) ends it
+    e = ActorFailed("actor 'trainer' failed", "trainer")
+    with pytest.raises(ActorFailed) as got:
+        asyncio.run(Supervision.recover(sup, e))
+    assert got.value is e
 
 
 def test_a_reference_served_by_the_trainer_names_the_trainer():
@@ -94,3 +101,45 @@ def test_a_metrics_row_carries_the_checkpoint_figures():
     assert row["restarts_trainer"] == 1 and row["restarts_replay_buffer"] == 0
     row = step_row(3, trainer, {"batch_hash": 1}, {}, state=state, rollouts=[], reported=[], timings=timings)
     assert row["checkpoint_exposed_s"] == row["checkpoint_s"] == row["checkpoint_bytes"] == 0.0
+
+
+def test_the_trainer_fails_inside_the_run_and_the_steps_since_its_checkpoint_are_the_same(tmp_path):
+    """The real Controller's loops around stand-in services (tests/test_controller.py), max_staleness=1
+    and dynamic sampling (refills owed across a checkpoint): the trainer fails at step 4; recover()
+    takes the run back to the step-2 checkpoint, step 3 is trained again on the same batch, and the run
+    ends with the batches of one that never failed, each step logged once, the fault recorded."""
+    from test_controller import _controller, _line
+
+    args = ["steps=5", "max_staleness=1", "advantage.drop_zero_variance=true", "checkpoint.every=2",
+            "fault.max_restarts=1"]
+    reward = lambda e, i: 1.0 if _line(e) % 4 == 0 else float(i % 2)  # noqa: E731
+    ids = lambda batches: [[(e.prompt_id, e.policy_version) for e in b] for b in batches]  # noqa: E731
+    whole = _controller(tmp_path / "whole", args, reward=reward)
+    asyncio.run(asyncio.wait_for(whole._run(0.0), 30))
+    ctl = _controller(tmp_path / "cut", args, reward=reward)
+    train_step, failed = ctl.svc.trainer.train_step.fn, []
+
+    async def fails_once_at_step_4(eps):
+        if len(ctl.trained) == 3 and not failed:
+            failed.append(True)
+            while not checkpoint.complete(ctl.ckpt_root):  # the step-2 checkpoint, written in the background
+                await asyncio.sleep(0.01)
+            raise RuntimeError("the trainer's process died")
+        return await train_step(eps)
+
+    ctl.svc.trainer.train_step.fn = fails_once_at_step_4
+
+    async def go():
+        while True:
+            try:
+                return await ctl._run(0.0)
+            except ActorFailed as e:
+                await ctl.recover(e)
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    assert ids(ctl.trained) == ids(whole.trained[:3]) + ids(whole.trained[2:]), "step 3 again, then 4 and 5"
+    assert [r["step"] for r in rows(tmp_path / "cut")] == [1, 2, 3, 4, 5]
+    assert [r["restarts_trainer"] for r in rows(tmp_path / "cut")] == [0, 0, 1, 1, 1]
+    (fault,) = rows(tmp_path / "cut" / "faults.jsonl")
+    assert (fault["service"], fault["rollback_to"], fault["steps_recomputed"]) == ("trainer", 2, 1), fault
+    assert fault["checkpoint"].endswith("step_000002") and "the trainer's process died" in fault["error"]
