@@ -619,9 +619,11 @@ class Controller(RolloutLoop, Supervision):
         self.source.load_state_dict(state["source"])
 
     async def restore(self, path: str) -> None:
-        """Resume from a checkpoint written by :meth:`save_checkpoint`: the trainer's weights and
-        optimizer, the controller's state (:meth:`load_state_dict`) and the replay buffer's episodes.
-        Raises RuntimeError when the trainer's version and the checkpoint's step disagree."""
+        """Resume from a checkpoint written by :meth:`save_checkpoint` (at the start, or when an in-run
+        recovery goes back to it): the trainer's weights, optimizer and RNG state, the controller's state
+        (:meth:`load_state_dict`) and the replay buffer's episodes (replacing what it holds). Raises
+        RuntimeError when the trainer's version and the checkpoint's step disagree, ActorFailed when the
+        trainer cannot load it."""
         version = await call("trainer", self.svc.trainer.load, path, timeout_s=self.cfg.fault.startup_timeout_s)
         state, held = checkpoint.read_state(path)
         self.load_state_dict(state)
