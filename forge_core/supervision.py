@@ -72,7 +72,7 @@ class Supervision:
         if isinstance(failed, BaseModelReference):  # (LoRA) the trainer's processes failed: recover() acts
             raise ActorFailed(f"{error} (the reference is the trainer's base model, trainer.lora)", "trainer") from error
         async with self.sync_lock if generator else contextlib.nullcontext():
-            if generator and self.svc.generators.index(failed) in self.dropped:
+            if any(self.svc.generators[i].name == name for i in self.dropped):
                 raise ReplicaDropped(name) from error
             if self._current(name) is not failed:
                 return  # the weight sync already respawned it
