@@ -19,6 +19,7 @@ non-finite loss or gradient norm skips the optimizer step, leaving weights and A
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -577,7 +578,8 @@ class Trainer(Actor):
 
 class FileWriter:
     """Writes ``files`` (``{name: bytes}``, staged in host memory) into the directory ``path`` in a
-    thread (file writes release the GIL, so the actor's training goes on). :meth:`wait` joins it."""
+    thread (file writes release the GIL, so the actor's training goes on). :meth:`wait` joins it.
+    A write that fails removes the files at once (a full disk gets its space back)."""
 
     def __init__(self, path: str, files: dict):
         self.error: Optional[BaseException] = None
@@ -593,6 +595,9 @@ class FileWriter:
                     f.write(data)
         except BaseException as e:  # raised by wait()
             self.error = e
+            for name in files:  # a full disk: its space back at once (the run's metrics lines need it)
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(path, name))
         self.write_s = time.perf_counter() - t0
 
     def wait(self) -> float:
