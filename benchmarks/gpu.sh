@@ -15,7 +15,8 @@
 #   bench    python -m benchmarks.bench_gpu --model $BENCH_MODEL --gpus <all> $BENCH_ARGS
 #   run      a GRPO run: python -m launch.local run $RUN_RECIPE $RUN_ARGS (run id $RUN_NAME), then its
 #            summary (benchmarks/summarize_run.py); KILL_AT=n kills the generator's process KILL_DELAY (3) s
-#            after step n
+#            after step n; KILL_TRAINER_AT=n the trainer's (the run goes back to its last checkpoint: set
+#            checkpoint.every in RUN_ARGS)
 #   start    the same run detached (it may outlast a shell's time limit); watch: wait for it up to WATCH_S
 #            (540) seconds, then copy its metrics, plot and log tail to $OUT and print its last rows
 #   evalbench python -m benchmarks.bench_eval $EVAL_RECIPE $EVAL_ARGS (make eval's vLLM path vs raw vLLM)
@@ -72,6 +73,12 @@ PY
         sleep ${KILL_DELAY:-3}  # past the weight transfer that starts with each step, into generation
         G=$(python3 -c "import json; print(json.load(open('/tmp/runs/$name/actors.json'))['generator']['pid'])")
         echo "kill -9 generator pid $G after step $KILL_AT at $(date +%T)"; kill -9 "$G"
+      fi
+      if [ -n "${KILL_TRAINER_AT:-}" ]; then
+        until grep -q "\"step\": $KILL_TRAINER_AT," "/tmp/runs/$name/metrics.jsonl" 2>/dev/null || ! kill -0 $P 2>/dev/null; do sleep 1; done
+        sleep ${KILL_DELAY:-3}
+        T=$(python3 -c "import json; print(json.load(open('/tmp/runs/$name/actors.json'))['trainer']['pid'])")
+        echo "kill -9 trainer pid $T after step $KILL_TRAINER_AT at $(date +%T)"; kill -9 "$T"
       fi
       wait $P; echo "run $name exit $?"
       grep "\[forge\]\|error" "$OUT/$name.log" | head -12

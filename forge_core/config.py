@@ -195,11 +195,15 @@ class CheckpointConfig:
     the policy, without optimizer state, so a requeued or resumed run starts over); ``keep``: how many to keep.
     ``final_dtype``: the dtype of ``final/``'s weights (the full model, or LoRA's merged one),
     ``float32`` (the trainer's master weights, exact) or ``bfloat16`` (half the bytes, the dtype
-    serving engines load). Checkpoints always hold float32."""
+    serving engines load). Checkpoints always hold float32. ``background``: the trainer stages a
+    checkpoint in host memory (one more copy of its weights and AdamW state there) and a thread writes
+    it while training goes on, so a step waits only for the staging (``checkpoint_exposed_s`` in the
+    metrics); ``false``: training waits for the whole write."""
 
     every: int = 0
     keep: int = 2
     final_dtype: str = "float32"
+    background: bool = True
 
 
 @dataclass
@@ -209,10 +213,14 @@ class FaultConfig:
     one more failure stops the run naming the actor. ``call_timeout_s``: deadline of every actor
     call (seconds), plus ``timeout_per_token_s`` per token of its work (generation: prompts x group
     size x max response tokens; reference and trainer: the batch's tokens); a missed deadline counts
-    as the actor's death (killed and respawned). ``max_bad_steps``: consecutive optimizer steps
-    skipped for a non-finite loss or gradient norm before the run stops. ``startup_timeout_s``: seconds
-    an actor may take to start and load its first weights (a model download, vLLM's compile and KV
-    cache profiling); a miss stops the run naming the actor."""
+    as the actor's death (killed and respawned; the trainer or the replay buffer also takes the run
+    back to its last checkpoint, whose later steps are computed again). ``max_bad_steps``: consecutive
+    optimizer steps skipped for a non-finite loss or gradient norm before the run stops.
+    ``startup_timeout_s``: seconds an actor may take to start and load its first weights (a model
+    download, vLLM's compile and KV cache profiling); a miss stops the run naming the actor.
+    ``min_replicas``: a generator replica whose restarts are used up is dropped, and its rollouts go
+    to the others, while at least this many replicas are left; fewer stop the run naming the actor
+    (0, default: every replica of ``layout.generator.replicas`` is needed). At most the layout's replicas."""
 
     max_restarts: int = 3
     restart_window_s: float = 3600.0
@@ -220,6 +228,7 @@ class FaultConfig:
     timeout_per_token_s: float = 0.05
     max_bad_steps: int = 3
     startup_timeout_s: float = 1800.0
+    min_replicas: int = 0
 
 
 @dataclass
@@ -337,6 +346,7 @@ def _check(cfg: DictConfig, where: str) -> None:
                 "layout.generator.tp", "env.max_turns", "env.tool_timeout_s", "env.max_tool_result_chars",
                 "env.python_memory_mb", "env.python_max_processes")
     non_negative = ("threads_per_actor", "checkpoint.every", "fault.max_restarts", "fault.timeout_per_token_s",
+                    "fault.min_replicas",
                     "trainer.lr", "trainer.weight_decay", "trainer.tokens_per_micro_batch", "max_staleness",
                     "advantage.eps", "advantage.max_refills", "layout.gpus_per_node", "layout.disk_gb", "layout.trainer.gpus",
                     "layout.reference.gpus", "layout.trainer.host", "layout.reference.host", "layout.generator.host",
@@ -349,6 +359,10 @@ def _check(cfg: DictConfig, where: str) -> None:
                 raise ConfigError(f"{where}: {key} must be {what}, got {v}")
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         raise ConfigError(f"{where}: trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
+    if cfg.fault.min_replicas > cfg.layout.generator.replicas:
+        raise ConfigError(f"{where}: fault.min_replicas={cfg.fault.min_replicas} is more than the layout's "
+                          f"{cfg.layout.generator.replicas} generator replica(s) (layout.generator.replicas): the run "
+                          f"could never start; set it to at most {cfg.layout.generator.replicas}")
     try:
         validate_lora(cfg)
     except ValueError as e:

@@ -42,15 +42,21 @@ Faults inside a run (``fault.*``): every actor call has a deadline from the work
 generator replica, the reward or the reference that dies or misses its deadline is killed, respawned
 on the same node and GPUs, brought back (current weights; the reference's version 0, checked by
 digest) and the call is repeated, so no batch is lost or trained twice (``faults.jsonl`` records
-each). A service that fails more than ``fault.max_restarts`` times in ``fault.restart_window_s``,
-the trainer or the replay buffer ends the run (SLURM/SkyPilot resume it from the last checkpoint).
+each). A trainer or replay buffer that dies or misses its deadline is respawned too, and the run
+goes back to its last checkpoint (:meth:`Supervision.recover`: weights, optimizer, RNG, data position,
+buffer, every replica at that version) and recomputes the steps since, the same batches as before.
+A service that fails more than ``fault.max_restarts`` times in ``fault.restart_window_s`` ends the
+run (SLURM/SkyPilot resume it from the last checkpoint), except a generator replica while at least
+``fault.min_replicas`` others are left: it is dropped and its groups go to the others.
 A non-finite loss or gradient norm skips the optimizer step and the batch; ``fault.max_bad_steps``
-in a row end the run.
+in a row end the run. Checkpoints are staged in host memory and written in the background
+(``checkpoint.background``): training waits only for the staging (``checkpoint_exposed_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -69,8 +75,8 @@ from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards
 from forge_core.rewards import load_reward_fn, reward_components
 from forge_core.rollout import check_env
 from forge_core.rollout_loop import Dispatcher, RolloutLoop
-from forge_core.services import ActorFailed, RunFailed, Services, call, spawn_services
-from forge_core.supervision import Supervision, _brief
+from forge_core.services import ActorFailed, RunFailed, Services, call, call_all, spawn_services
+from forge_core.supervision import ReplicaDropped, Supervision, _brief
 from forge_core.weight_sync import choose_transport
 
 __all__ = ["Controller", "Dispatcher", "RunFailed", "load_task", "sync_routes", "_brief"]
@@ -98,19 +104,27 @@ class Controller(RolloutLoop, Supervision):
         self.paused = False  # set while a checkpoint is written
         self.loading = False  # set while the replicas load a new version (rollouts wait: see rollout_loop)
         self.sync_task: Optional[asyncio.Task] = None
+        self.rollout_task: Optional[asyncio.Task] = None
+        self.ckpt_task: Optional[asyncio.Task] = None  # a checkpoint's background write and commit
+        self.ckpt_figures: dict = {}  # checkpoint_exposed_s, checkpoint_s, checkpoint_bytes: for the next row
         self.background_error: Optional[Exception] = None  # a failed rollout or weight sync: the training loop raises it
         self.last_sync: dict = {}
         self.svc: Optional[Services] = None
         self.sync_lock = asyncio.Lock()  # publish + loads of one version; respawns that reload weights
         self.generation = 0  # of the nccl weight-transfer group; a new one after a member is respawned
         self.restart_times: dict[str, list] = {}
-        self.restarts = {"generator": 0, "reward": 0, "reference": 0}
+        self.restarts = {"generator": 0, "reward": 0, "reference": 0, "trainer": 0, "replay_buffer": 0}
+        self.dropped: set[int] = set()  # generator replicas given up (fault.min_replicas)
+        self.initial_state: dict = {}  # state_dict() at step 0: in-run recovery's point before the first checkpoint
+        self.rolled_back = 0  # in-run recoveries of the trainer or the replay buffer
         self.skipped_batches = self.bad_in_a_row = self.checkpoint_failures = 0  # bad_in_a_row: skips in a row
         self.ref_digest = ""
         self.tokenizer_files: dict = {}  # for final/, from a replica at the start (no later call)
         self.held_out: list[Problem] = []  # the held-out evaluation subset (eval.*)
         self.mlog: Optional[MetricsLog] = None
         self.last_eval: dict = {}
+        self.startup_s = 0.0  # seconds from the start of run() to the first weights everywhere
+        self.started = False  # start() done: from then on the trainer and the replay buffer are recovered
 
     # ---- the run: set-up, the training loop, the end ------------------------------------------
     async def run(self) -> dict:
@@ -136,7 +150,11 @@ class Controller(RolloutLoop, Supervision):
         try:
             self.svc = await spawn_services(cfg, self.hosts)
             self.svc.write_placement(os.path.join(self.out_dir, "actors.json"))
-            return await (self._run_sft(t_start) if cfg.loss.name == "sft" else self._run(t_start))
+            while True:
+                try:
+                    return await (self._run_sft(t_start) if cfg.loss.name == "sft" else self._run(t_start))
+                except ActorFailed as e:  # the trainer or the replay buffer: back to the last checkpoint, go on
+                    await self.recover(e)  # (anything else: raised again)
         finally:
             await self.shutdown()
 
@@ -145,19 +163,22 @@ class Controller(RolloutLoop, Supervision):
         train one step, start the new version's weight sync (and its evaluation when due) in the
         background, log one metrics row, checkpoint every ``checkpoint.every`` steps; at the end save
         ``final/``. The rollout loop (:meth:`rollout_loop`) runs beside it as a task; its failures are
-        raised here. ``t_start``: :func:`time.perf_counter` at the start of :meth:`run`. Returns the
-        last step's row (empty when no step was left)."""
+        raised here. ``t_start``: :func:`time.perf_counter` at the start of :meth:`run`; called again
+        after an in-run recovery, from the checkpoint's step. Returns the last step's row (empty when
+        no step was left)."""
         cfg, s = self.cfg, self.svc
-        await self.start()
-        startup_s = time.perf_counter() - t_start
+        if not self.started:  # (after an in-run recovery: started, the state restored)
+            await self.start()
+            self.startup_s = time.perf_counter() - t_start
+        startup_s = self.startup_s
         # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
         mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                                       os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
-        if cfg.eval.at_start and self.step == 0:  # version 0, beside the first rollout
+        if cfg.eval.at_start and self.step == 0 and not self.rolled_back:  # version 0, beside the first rollout
             self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
-        rollouts = asyncio.create_task(self.rollout_loop())
+        rollouts = self.rollout_task = asyncio.create_task(self.rollout_loop())
         row: dict = {}
         shown: dict = {}  # the last step's figures on the progress bar
         try:
@@ -184,7 +205,7 @@ class Controller(RolloutLoop, Supervision):
                 # never reports a 0 s generation because the next rollout is still running)
                 self.last_rollouts = finished or self.last_rollouts
                 row = step_row(self.step, tm, batch, prev_sync, state=self.state_dict(), rollouts=finished,
-                               reported=self.last_rollouts,
+                               reported=self.last_rollouts, checkpoint=self._ckpt_row(),
                                timings={"wait_for_rollout_s": wait_s, "step_s": time.perf_counter() - t0,
                                         "elapsed_s": time.perf_counter() - t_start, "startup_s": startup_s})
                 mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
@@ -198,10 +219,14 @@ class Controller(RolloutLoop, Supervision):
             if self.sync_task is not None:
                 await self.sync_task
                 self._show(bar, shown)  # the last evaluation finishes after the last step
+            await self._checkpoint_written()
             await self.save_final()
+        except Exception as e:  # the run ends or goes back to a checkpoint: the one being written first
+            await self._settle_checkpoint(e)
+            raise
         finally:
             rollouts.cancel()
-            for t in (rollouts, self.sync_task):  # retrieve a failure already raised elsewhere
+            for t in (rollouts, self.sync_task, self.ckpt_task):  # retrieve a failure already raised elsewhere
                 if t is not None and t.done() and not t.cancelled():
                     t.exception()
             bar.close()
@@ -215,11 +240,13 @@ class Controller(RolloutLoop, Supervision):
         them (``eval.*``, as in GRPO); log a row, checkpoint every ``checkpoint.every`` steps; at the end
         save ``final/``. No rollouts, reference or replay buffer. Returns the last step's row."""
         cfg, s = self.cfg, self.svc
-        await self.start()
-        startup_s = time.perf_counter() - t_start
+        if not self.started:
+            await self.start()
+            self.startup_s = time.perf_counter() - t_start
+        startup_s = self.startup_s
         mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                                       os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
-        if cfg.eval.at_start and self.step == 0:
+        if cfg.eval.at_start and self.step == 0 and not self.rolled_back:
             self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"SFT {cfg.recipe}", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
@@ -256,10 +283,15 @@ class Controller(RolloutLoop, Supervision):
             if self.sync_task is not None:
                 await self.sync_task
                 self._show(bar, shown)
+            await self._checkpoint_written()
             await self.save_final()
+        except Exception as e:
+            await self._settle_checkpoint(e)
+            raise
         finally:
-            if self.sync_task is not None and self.sync_task.done() and not self.sync_task.cancelled():
-                self.sync_task.exception()  # retrieved: raised above when it failed
+            for t in (self.sync_task, self.ckpt_task):
+                if t is not None and t.done() and not t.cancelled():
+                    t.exception()  # retrieved: raised above when it failed
             bar.close()
             mlog.close()
         return row
@@ -283,6 +315,7 @@ class Controller(RolloutLoop, Supervision):
                   f"split this host's {len(os.sched_getaffinity(0))} cores", file=sys.stderr, flush=True)
         self.versions = [0] * len(s.generators)
         self.dispatcher = Dispatcher(len(s.generators))
+        self.initial_state = json.loads(json.dumps(self.state_dict()))  # (a copy) what step 0 was
         dtypes = {await call(g.name, g.get_dtype, timeout_s=t) for g in s.generators}  # each resolved its `auto`
         if len(dtypes) > 1:
             raise RunFailed(f"generator replicas resolved generator.dtype=auto differently ({sorted(dtypes)}): "
@@ -299,6 +332,7 @@ class Controller(RolloutLoop, Supervision):
         if ckpt:
             await self.restore(ckpt)
         await self.publish_and_sync()
+        self.started = True
 
     async def shutdown(self) -> None:
         """Stop every actor process (idempotent; nothing to do when spawning failed)."""
@@ -310,7 +344,8 @@ class Controller(RolloutLoop, Supervision):
         and ``forge.json``: the dtype the generators sampled in and the policy version, which ``make eval``
         evaluates it with) and ``reward.png``. Raises ActorFailed when the trainer's save fails, OSError on a write."""
         final = os.path.join(self.out_dir, "final")
-        await call("trainer", self.svc.trainer.save, final, False, self.cfg.checkpoint.final_dtype)
+        await call("trainer", self.svc.trainer.save, final, False, self.cfg.checkpoint.final_dtype,
+                   timeout_s=self.cfg.fault.call_timeout_s)
         for name, data in self.tokenizer_files.items():
             with open(os.path.join(final, name), "wb") as f:
                 f.write(data)
@@ -405,7 +440,7 @@ class Controller(RolloutLoop, Supervision):
             await self._set()
             return r
 
-        fetch = [i for i, (t, _) in enumerate(routes) if t in ("nccl", "rdma")]
+        fetch = [i for i, (t, _) in enumerate(routes) if t in ("nccl", "rdma")]  # (dropped replicas: "none")
         got = await asyncio.gather(*(guard(i, call(f"receiver_{gens[i].name}", gens[i].receiver.fetch, handle,
                                                    *routes[i], timeout_s=timeout)) for i in fetch))
         if not failed:
@@ -415,12 +450,13 @@ class Controller(RolloutLoop, Supervision):
         if not failed:
             await self._set(loading=True)
             try:
-                loaded = await asyncio.gather(*(guard(i, load(i)) for i in range(len(gens))))
+                loaded = await asyncio.gather(*(guard(i, load(i)) for i in self._live()))
             finally:
                 await self._set(loading=False)
         if failed:
             for i, e in sorted(failed.items()):
-                self._count_restart(gens[i].name, e)
+                if not await self._count_or_drop(gens[i], e):
+                    continue  # dropped (fault.min_replicas): the routes go around it now
                 ta = time.perf_counter()
                 await self.svc.respawn(gens[i].name)
                 self._record_fault(gens[i].name, e, ta)
@@ -445,24 +481,31 @@ class Controller(RolloutLoop, Supervision):
         """Evaluate the policy the replicas hold on the held-out subset and log it (one ``metrics.jsonl``
         row with ``eval/...`` keys, ``step`` = the version evaluated). The generate calls, their seeds and
         sampling settings and the scores are :mod:`forge_core.evaluate`'s, the ones ``make eval`` makes of
-        a checkpoint (:func:`~forge_core.evaluate.eval_calls`: call ``i`` to replica ``i % replicas``;
+        a checkpoint (:func:`~forge_core.evaluate.eval_calls`: call ``i`` to the ``i % n``-th of the ``n`` replicas going,
+        another one when that one is dropped meanwhile;
         :func:`~forge_core.evaluate.eval_sampling`; :func:`~forge_core.evaluate.held_out_scores`: pass@1,
         pass@k, the means, ``responses_digest``), scored by the reward actor. Runs between two syncs (see
         :meth:`publish_and_sync`), so every sample comes from the version evaluated (recorded as
         ``eval/policy_version``). Returns the row."""
         e, gens, t0 = self.cfg.eval, self.svc.generators, time.perf_counter()
-        sampling, calls = eval_sampling(self.cfg), eval_calls(self.cfg, len(self.held_out))
+        sampling, calls, live = eval_sampling(self.cfg), eval_calls(self.cfg, len(self.held_out)), self._live()
 
-        async def one(r: int) -> list[tuple[int, list[Episode]]]:
+        async def one(k: int) -> list[tuple[int, list[Episode]]]:
             out = []
-            for i in range(r, len(calls), len(gens)):
+            for i in range(k, len(calls), len(live)):
                 start, end, seed = calls[i]
-                eps, _ = await self._supervised(gens[r].name, "generate", self.held_out[start:end], seed, sampling,
-                                                tokens=(end - start) * e.samples * sampling["max_tokens"])
+                r = live[k]
+                while True:
+                    try:
+                        eps, _ = await self._supervised(gens[r].name, "generate", self.held_out[start:end], seed,
+                                                        sampling, tokens=(end - start) * e.samples * sampling["max_tokens"])
+                        break
+                    except ReplicaDropped:  # its restarts used up: the call goes to a replica still going
+                        r = self._live()[0]
                 out.append((i, eps))
             return out
 
-        parts = await asyncio.gather(*(one(r) for r in range(len(gens))))
+        parts = await asyncio.gather(*(one(k) for k in range(len(live))))
         got = sorted((x for part in parts for x in part), key=lambda x: x[0])  # question order
         gen_s = time.perf_counter() - t0
         episodes = await self._score([ep for _, eps in got for ep in eps])
@@ -478,37 +521,99 @@ class Controller(RolloutLoop, Supervision):
         return row
 
     # ---- checkpoints -------------------------------------------------------------------------
-    async def save_checkpoint(self) -> Optional[str]:
-        """At a quiet point (the weight sync done, rollouts paused and none in flight), write
-        ``checkpoints/step_NNNNNN`` atomically (temp dir, :func:`forge_core.checkpoint.write_state`
-        with the manifest last, rename) and keep the newest ``checkpoint.keep``; then the rollouts go
-        on. Returns the checkpoint's path. A full disk leaves the previous checkpoint as it was, says
-        so and returns None; other errors (ActorFailed, OSError, RuntimeError) raise."""
+    async def save_checkpoint(self) -> None:
+        """At a quiet point (the weight sync done, rollouts paused and none in flight), take the
+        checkpoint ``checkpoints/step_NNNNNN``: the trainer stages its files in host memory, the replay
+        buffer's episodes and the controller's state are copied; then the rollouts and training go on
+        while the files are written and committed (:meth:`_commit`; in the background with
+        ``checkpoint.background``, one at a time: the next save, the end of the run or a recovery waits
+        for it). The seconds training waited are ``checkpoint_exposed_s`` (next metrics row). A full
+        disk leaves the previous checkpoint as it was and says so; other errors (ActorFailed, OSError,
+        RuntimeError) raise."""
+        await self._checkpoint_written()
         if self.sync_task is not None:
             await self.sync_task
         async with self.changed:
             self.paused = True
             await self.changed.wait_for(lambda: not self.rollouts_in_flight)
+        t0 = time.perf_counter()
         tmp = os.path.join(self.ckpt_root, f"step_{self.step:06d}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        path = None
+        background = self.cfg.checkpoint.background
         try:
-            await call("trainer", self.svc.trainer.save, tmp, True, timeout_s=self.cfg.fault.call_timeout_s)
+            await call("trainer", self.svc.trainer.save, tmp, True, "float32", background,
+                       timeout_s=self.cfg.fault.call_timeout_s)
             held = [] if self.svc.buffer is None else await call("replay_buffer", self.svc.buffer.state,
                                                                      timeout_s=self._deadline(0))
-            checkpoint.write_state(tmp, self.state_dict(), held)
+            state = json.loads(json.dumps(self.state_dict()))  # a copy: the loops change it from now on
         except (ActorFailed, OSError, RuntimeError) as e:
-            if not checkpoint.disk_full(e, self.ckpt_root):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.checkpoint_failures += 1
-            prev = checkpoint.complete(self.ckpt_root)
-            checkpoint.warn(f"checkpoint at step {self.step} not written: the disk is full ({_brief(e, 200)}); "
-                            + (f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint"))
+            self._checkpoint_failed(e, tmp)
         else:
-            path = checkpoint.commit(tmp, self.cfg.checkpoint.keep)
-        await self._set(paused=False)
-        return path
+            commit = self._commit(tmp, state, held, t0)
+            if background:
+                self.ckpt_task = asyncio.create_task(commit)
+            else:
+                await commit
+        finally:
+            self.ckpt_figures["checkpoint_exposed_s"] = time.perf_counter() - t0
+            await self._set(paused=False)
+
+    async def _commit(self, tmp: str, state: dict, held: list, t_save: float) -> None:
+        """Finish checkpoint ``tmp`` once the trainer's files are on disk (polled: the trainer trains
+        meanwhile): the buffer's episodes ``held``, the controller's ``state`` and the manifest
+        (:func:`forge_core.checkpoint.write_state`, in a thread: it hashes every file), then the rename
+        and rotation (:func:`forge_core.checkpoint.commit`; the newest ``checkpoint.keep`` stay).
+        Records ``checkpoint_s`` (seconds from the save's start, ``t_save``, to the commit: staging,
+        writing, manifest) and ``checkpoint_bytes``. Raises as :meth:`save_checkpoint`."""
+        limit = self.cfg.fault.call_timeout_s
+        try:
+            deadline = time.perf_counter() + limit
+            while None in await call_all("trainer", self.svc.trainer.saved, timeout_s=limit):
+                if time.perf_counter() > deadline:
+                    raise ActorFailed(f"actor 'trainer' did not write checkpoint {tmp} within {limit:.0f} s (hung?)",
+                                      "trainer")
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(checkpoint.write_state, tmp, state, held)
+        except (ActorFailed, OSError, RuntimeError) as e:
+            self._checkpoint_failed(e, tmp)
+            return
+        path = checkpoint.commit(tmp, self.cfg.checkpoint.keep)
+        self.ckpt_figures.update(checkpoint_s=time.perf_counter() - t_save,
+                                 checkpoint_bytes=sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
+
+    def _checkpoint_failed(self, e: BaseException, tmp: str) -> None:
+        """A checkpoint's save failed with ``e``: on a full disk, remove ``tmp``, count it and say that
+        the previous checkpoint is intact; anything else raises ``e``."""
+        if not checkpoint.disk_full(e, self.ckpt_root):
+            raise e
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.checkpoint_failures += 1
+        prev = checkpoint.complete(self.ckpt_root)
+        checkpoint.warn(f"checkpoint at step {int(os.path.basename(tmp)[5:11])} not written: the disk is full "
+                        f"({_brief(e, 200)}); "
+                        + (f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint"))
+
+    async def _checkpoint_written(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (raises its failure)."""
+        task, self.ckpt_task = self.ckpt_task, None
+        if task is not None:
+            await task
+
+    async def _settle_checkpoint(self, error: BaseException) -> None:
+        """The training loop stops with ``error``: a checkpoint being written is finished first (the run
+        ends, or goes back to that checkpoint), unless the trainer failed (its files may never be
+        complete: the checkpoint is given up). A failure of the write itself is dropped."""
+        task, self.ckpt_task = self.ckpt_task, None
+        if task is not None and getattr(error, "actor", "") != "trainer":
+            with contextlib.suppress(Exception):
+                await task
+        elif task is not None:
+            task.cancel()
+
+    def _ckpt_row(self) -> dict:
+        """The checkpoint figures for the next metrics row (0 when none since the previous row)."""
+        out, self.ckpt_figures = self.ckpt_figures, {}
+        return out
 
     def state_dict(self) -> dict:
         """The controller's part of a checkpoint (``controller.json``): ``step``, ``batches_made`` (the
@@ -517,7 +622,7 @@ class Controller(RolloutLoop, Supervision):
         ``skipped_batches``, ``checkpoint_failures`` and ``restarts`` (``{role: count}``). JSON-ready;
         the lists and dicts are the controller's own (serialise them before the next ``await``)."""
         return {"step": self.step, "batches_made": self.batches_made, "refills": self.refills,
-                "source": self.source.state_dict(), "generator_version": min(self.versions),
+                "source": self.source.state_dict(), "generator_version": min(self.versions[i] for i in self._live()),
                 "skipped_batches": self.skipped_batches, "checkpoint_failures": self.checkpoint_failures,
                 "restarts": self.restarts}
 
@@ -532,9 +637,11 @@ class Controller(RolloutLoop, Supervision):
         self.source.load_state_dict(state["source"])
 
     async def restore(self, path: str) -> None:
-        """Resume from a checkpoint written by :meth:`save_checkpoint`: the trainer's weights and
-        optimizer, the controller's state (:meth:`load_state_dict`) and the replay buffer's episodes.
-        Raises RuntimeError when the trainer's version and the checkpoint's step disagree."""
+        """Resume from a checkpoint written by :meth:`save_checkpoint` (at the start, or when an in-run
+        recovery goes back to it): the trainer's weights, optimizer and RNG state, the controller's state
+        (:meth:`load_state_dict`) and the replay buffer's episodes (replacing what it holds). Raises
+        RuntimeError when the trainer's version and the checkpoint's step disagree, ActorFailed when the
+        trainer cannot load it."""
         version = await call("trainer", self.svc.trainer.load, path, timeout_s=self.cfg.fault.startup_timeout_s)
         state, held = checkpoint.read_state(path)
         self.load_state_dict(state)
@@ -588,14 +695,18 @@ def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
     return train, held
 
 
-def sync_routes(svc: Services, setting: str) -> list[tuple[str, int]]:
+def sync_routes(svc: Services, setting: str, dropped: frozenset = frozenset()) -> list[tuple[str, int]]:
     """How each generator replica gets new weights: ``(transport, rank)`` for ``ipc`` (the trainer's
     host) and for a node's first replica on another host (``nccl`` group member ``rank`` or
-    ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy.
-    Prints every choice. Raises ValueError for an impossible explicit transport (``ipc`` across hosts)."""
+    ``rdma``), or ``("follow", i)``: the node's other replicas load replica ``i``'s staged copy;
+    ``("none", 0)`` for the replicas in ``dropped`` (indices). Prints every choice. Raises ValueError
+    for an impossible explicit transport (``ipc`` across hosts)."""
     t = svc.trainer
     routes, leader, rank = [], {}, 0
     for i, g in enumerate(svc.generators):
+        if i in dropped:
+            routes.append(("none", 0))
+            continue
         same = g.slot.host == t.slot.host
         if not same and g.slot.host in leader:
             src = svc.generators[leader[g.slot.host]]

@@ -13,7 +13,7 @@ from forge_core.episode import Episode
 
 
 def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, rollouts: list[dict],
-             reported: list[dict], timings: dict) -> dict:
+             reported: list[dict], timings: dict, checkpoint: Optional[dict] = None) -> dict:
     """One training step's ``metrics.jsonl`` row: a flat dict, its keys in this order.
 
     Args:
@@ -37,6 +37,10 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
         reported: the rollouts whose timings the row reports, as means: ``gen_tok_s``, ``gen_s``,
             ``reward_s``, ``ref_s`` and ``gen_replicas`` (0 when none).
         timings: ``wait_for_rollout_s``, ``step_s``, ``elapsed_s``, ``startup_s`` (seconds).
+        checkpoint: figures of the checkpoints since the previous row, 0 when none:
+            ``checkpoint_exposed_s`` (seconds training waited for a save: the staging in host memory,
+            or the whole write without ``checkpoint.background``), ``checkpoint_s`` (seconds from a
+            save's start to its commit) and ``checkpoint_bytes`` (the committed directory's bytes).
 
     Raises:
         KeyError: a required key missing from a piece (the ones read without a default above).
@@ -57,6 +61,7 @@ def step_row(step: int, trainer: dict, batch: dict, sync: dict, *, state: dict, 
             "generator_version": state["generator_version"], "gen_replicas": mean("gen_replicas"),
             "skipped_batches": state["skipped_batches"], "checkpoint_failures": state["checkpoint_failures"],
             **{f"restarts_{k}": v for k, v in state["restarts"].items()},
+            **{k: (checkpoint or {}).get(k, 0.0) for k in ("checkpoint_exposed_s", "checkpoint_s", "checkpoint_bytes")},
             **{k: sum(r.get(k, 0) for r in rollouts) for k in ("zero_variance_groups", "dropped_groups")},
             **{k: timings[k] for k in ("step_s", "elapsed_s", "startup_s")}}
 

@@ -46,34 +46,32 @@ class RolloutLoop:
 
     def _eligible(self, k: int) -> list[int]:
         """Replicas that may generate batch ``k``: policy version >= the step it will train at
-        (``k`` less the batches dropped so far) - S."""
-        return [i for i, v in enumerate(self.versions) if v >= k - self.skipped_batches - self.cfg.max_staleness]
+        (``k`` less the batches dropped so far) - S; none given up (``fault.min_replicas``)."""
+        return [i for i, v in enumerate(self.versions)
+                if v >= k - self.skipped_batches - self.cfg.max_staleness and i not in self.dropped]
 
     async def _generate(self, problems: list, k: int, replicas: list[int], rnd: int = 0) -> tuple[list[Episode], dict]:
-        """Generate batch ``k`` (refill round ``rnd``) over ``replicas`` (whole groups each); episodes in
-        problem order."""
+        """Generate batch ``k`` (refill round ``rnd``) over ``replicas`` (whole groups each; the groups of
+        a replica dropped meanwhile go to the others); episodes in problem order."""
         cfg, G = self.cfg, self.cfg.generator.group_size
-        plan = self.dispatcher.assign(len(problems), replicas)
         t0 = time.perf_counter()
 
         async def one(r: int, groups: list[int]) -> tuple[list[Episode], dict]:
-            ta = time.perf_counter()
-            got = await self._supervised(self.svc.generators[r].name, "generate", [problems[i] for i in groups],
-                                         cfg.seed * 100_003 + k * 1_009 + r + rnd * 1_000_003,
-                                         tokens=len(groups) * G * cfg.generator.max_response_tokens)
-            self.dispatcher.done(r, len(groups), time.perf_counter() - ta)
-            return got
+            return await self._supervised(self.svc.generators[r].name, "generate", [problems[i] for i in groups],
+                                          cfg.seed * 100_003 + k * 1_009 + r + rnd * 1_000_003,
+                                          tokens=len(groups) * G * cfg.generator.max_response_tokens)
 
         out: list[Optional[Episode]] = [None] * (len(problems) * G)
-        got = await asyncio.gather(*(one(r, gs) for r, gs in plan.items()))
-        for (r, groups), (eps, _) in zip(plan.items(), got):
+        got = await self._spread(len(problems), replicas, lambda: self._eligible(k), one)
+        for r, groups, (eps, _) in got:
             for j, e in enumerate(eps):
                 g = groups[j // G]
                 e.group, e.replica = g, r
                 out[g * G + j % G] = e
         dt = time.perf_counter() - t0
-        tokens = sum(st["gen_tokens"] for _, st in got)
-        return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt, "gen_replicas": len(plan)}
+        tokens = sum(st["gen_tokens"] for *_, (_, st) in got)
+        return out, {"gen_s": dt, "gen_tokens": tokens, "gen_tok_s": tokens / dt,
+                     "gen_replicas": len({r for r, *_ in got})}
 
     async def rollout_loop(self) -> None:
         """Produce rollout batches until cancelled (see the module docstring), finishing one at a time
@@ -112,6 +110,7 @@ class RolloutLoop:
             finally:
                 if finishing is not None and not finishing.done():
                     finishing.cancel()
+                    await asyncio.wait([finishing])  # its clean-up (the in-flight count) ends before this loop does
                 elif finishing is not None and not finishing.cancelled():
                     finishing.exception()  # retrieved: its failure reached the training loop as background_error
         except Exception as e:

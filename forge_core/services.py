@@ -47,7 +47,13 @@ class RunFailed(RuntimeError):
 
 
 class ActorFailed(RunFailed):
-    """An actor call failed, timed out, or its process died; the message names the actor."""
+    """An actor call failed, timed out, or its process died; the message names the actor. ``actor``:
+    the service whose call failed (``"trainer"``, ``"generator_1"``, ...; what in-run recovery acts
+    on), or ``""`` when the run cannot go on whatever the actor (its restarts used up)."""
+
+    def __init__(self, message: str, actor: str = ""):
+        super().__init__(message)
+        self.actor = actor
 
 
 async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[float] = None) -> Any:
@@ -60,8 +66,8 @@ async def call(actor_name: str, endpoint: Any, *args: Any, timeout_s: Optional[f
             return await endpoint.call_one(*args)
     except Exception as e:
         if isinstance(e, TimeoutError) and deadline.expired():  # not a TimeoutError the actor raised
-            raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)") from None
-        raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {clip(str(e))}") from e
+            raise ActorFailed(f"actor '{actor_name}' did not answer within {timeout_s:.0f} s (hung?)", actor_name) from None
+        raise ActorFailed(f"actor '{actor_name}' failed: {type(e).__name__}: {clip(str(e))}", actor_name) from e
 
 
 def clip(text: str, n: int = 2000) -> str:
@@ -186,16 +192,18 @@ class Services:
             json.dump({s.name: s.where[0] for s in self.all()}, f, indent=1)
 
     async def respawn(self, name: str) -> Service:
-        """Replace the service ``name`` (``generator[_i]``, ``reward`` or ``reference``) with a new
-        one on the same node and GPUs: the old processes are stopped (killed if they hang).
-        Returns the new service, already in place; its weights are the caller's business. It gets the
-        dtype its role resolved at the start (``dtypes``): a new ``auto`` probe could pick another one
-        than the weights the trainer publishes. Raises ActorFailed when the new actor's constructor fails,
-        or for a reference the trainer serves (LoRA: the trainer itself failed)."""
+        """Replace the service ``name`` (``generator[_i]``, ``reward``, ``reference``, ``trainer`` or
+        ``replay_buffer``) with a new one on the same node and GPUs: the old processes are stopped
+        (killed if they hang). Returns the new service, already in place; its weights and state are the
+        caller's business (a new trainer holds the initial policy, version 0; a new replay buffer is
+        empty). It gets the dtype its role resolved at the start (``dtypes``): a new ``auto`` probe could
+        pick another one than the weights the trainer publishes. With LoRA the ``reference`` is the new
+        trainer's base model. Raises ActorFailed when the new actor's constructor fails, or, naming the
+        trainer (``actor="trainer"``), for a reference the trainer serves (LoRA: the trainer failed)."""
         old = next(s for s in self.all() if s.name == name)
         if isinstance(old, BaseModelReference):
             raise ActorFailed("actor 'reference' is the trainer's base model (trainer.lora), and the trainer failed: "
-                              "it cannot be respawned apart; resume the run from its last checkpoint")
+                              "the trainer is respawned with it", actor="trainer")
         await old.stop(10, kill=True)
         with contextlib.suppress(OSError):  # its CoreShare mark, if it died busy (the others kept half the cores)
             os.unlink(os.path.join(cores_dir(), name))
@@ -204,7 +212,9 @@ class Services:
         if role == "generator":
             self.generators[self.generators.index(old)] = new
         else:
-            setattr(self, role, new)
+            setattr(self, "buffer" if role == "replay_buffer" else role, new)
+        if role == "trainer" and self.reference_in_trainer:
+            self.reference = BaseModelReference("reference", new.slot, new.procs, new.actor, new.where)
         return new
 
     async def stop(self, timeout_s: float = 30.0) -> None:

@@ -21,9 +21,12 @@ non-finite loss or gradient norm skips the optimizer step, leaving weights and A
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
+import threading
 import time
 from typing import Optional
 
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save as safetensors_bytes
 
 from forge_core import lora as lora_mod
 from forge_core import memory, titan
@@ -205,6 +208,7 @@ class Trainer(Actor):
         self.loss_cfg = OmegaConf.create(loss)
         self.autocast = self.compute == torch.bfloat16 and self.world == 1
         self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
+        self.writer: Optional[FileWriter] = None  # a checkpoint's files being written in the background
 
     def _activation_checkpointing(self, seq_len: int, shared_gb: float, shared_frac: float = 0.0) -> bool:
         """``trainer.activation_checkpointing``, or when unset: on iff the memory estimate without it
@@ -432,31 +436,40 @@ class Trainer(Actor):
         return out if self.rank == 0 else {}
 
     @endpoint
-    async def save(self, path: str, optimizer: bool = True, dtype: str = "float32") -> None:
+    async def save(self, path: str, optimizer: bool = True, dtype: str = "float32", background: bool = False) -> int:
         """HF safetensors (``model.safetensors`` + ``config.json``, in ``dtype``: ``float32`` or, for
         ``final/`` only, ``bfloat16`` (``checkpoint.final_dtype``), written by rank 0), the
         optimizer and RNG state per rank (``optimizer.rank<r>.pt``) and ``trainer.json`` (version).
+        Returns the bytes of this rank's files.
+
+        The files are first staged in host memory (serialised: the weights and AdamW state copied off
+        the GPU), then written. With ``background`` (checkpoints, ``checkpoint.background``) a thread
+        writes them while training goes on, so the caller waits only for the staging; :meth:`saved`
+        says when they are on disk. Host memory: one more copy of this rank's files until then. A save
+        first waits for the previous background write.
 
         With LoRA (``trainer.lora.rank`` > 0): a checkpoint (``optimizer``) holds the adapters
         (``adapter.safetensors``, TorchTitan names) and their optimizer state instead of the weights,
         with ``trainer.json`` naming the LoRA settings and the base model (what a resume must match; the
         base weights come from the model's source again); ``final/`` (not ``optimizer``) holds the
-        adapter in PEFT's format in ``adapter/`` (:func:`forge_core.lora.save_peft`) and, with
-        ``trainer.lora.save_merged``, the merged model as above.
+        adapter in PEFT's format in ``adapter/`` (:func:`forge_core.lora.save_peft`, written at once) and,
+        with ``trainer.lora.save_merged``, the merged model as above.
 
         Raises:
-            ValueError: ``dtype`` other than ``float32`` with ``optimizer`` (a checkpoint resumes exactly)."""
+            ValueError: ``dtype`` other than ``float32`` with ``optimizer`` (a checkpoint resumes exactly).
+            OSError: a write without ``background`` fails (a full disk)."""
         if optimizer and dtype != "float32":
             raise ValueError(f"a checkpoint holds the float32 master weights (exact resume), not {dtype}")
+        self._drop_writer()
         lora_on = bool(self.lora.rank)
         os.makedirs(path, exist_ok=True)
+        files: dict = {}  # name -> bytes (or a memoryview of them)
         if not lora_on or (not optimizer and self.lora.save_merged):
             dt = getattr(torch, dtype)
             sd = {k: v.to(dt).cpu().contiguous() for k, v in titan.named_hf_tensors(self.model, self.spec, self.adapter)}
             if self.rank == 0:
-                save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-                with open(os.path.join(path, "config.json"), "w") as f:
-                    json.dump(dict(hf_config_dict(self.model_name), torch_dtype=dtype), f, indent=1)
+                files["model.safetensors"] = safetensors_bytes(sd, metadata={"format": "pt"})
+                files["config.json"] = json.dumps(dict(hf_config_dict(self.model_name), torch_dtype=dtype), indent=1)
             del sd
         info = {"version": self.version, "world": self.world}
         if lora_on:  # every rank gathers (collectives), rank 0 writes
@@ -464,19 +477,44 @@ class Trainer(Actor):
             if optimizer:
                 adapters = lora_mod.adapter_state(self.model)
                 if self.rank == 0:
-                    save_file(adapters, os.path.join(path, lora_mod.CHECKPOINT_FILE), metadata={"format": "pt"})
+                    files[lora_mod.CHECKPOINT_FILE] = safetensors_bytes(adapters, metadata={"format": "pt"})
             else:
                 tensors = lora_mod.peft_state_dict(self.model, self.spec)
                 if self.rank == 0:
                     lora_mod.save_peft(os.path.join(path, lora_mod.PEFT_DIR), tensors, self.lora, self.src)
         if self.rank == 0:
-            with open(os.path.join(path, "trainer.json"), "w") as f:
-                json.dump(info, f)
+            files["trainer.json"] = json.dumps(info)
         if optimizer:
             state = {"optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}
             if self.device.type == "cuda":
                 state["cuda_rng"] = torch.cuda.get_rng_state()
-            torch.save(state, os.path.join(path, f"optimizer.rank{self.rank}.pt"))
+            staged = io.BytesIO()
+            torch.save(state, staged)
+            files[f"optimizer.rank{self.rank}.pt"] = staged.getbuffer()
+        files = {k: v.encode() if isinstance(v, str) else v for k, v in files.items()}
+        self.writer = FileWriter(path, files)
+        if not background:
+            self.writer, writer = None, self.writer
+            writer.wait()
+        return sum(len(b) for b in files.values())
+
+    @endpoint
+    async def saved(self) -> Optional[float]:
+        """Whether the last background :meth:`save` is on disk: None while its thread still writes, else
+        the seconds the writing took (0.0 when there was none). Raises its OSError (a full disk)."""
+        if self.writer is None:
+            return 0.0
+        if self.writer.thread.is_alive():
+            return None
+        self.writer, writer = None, self.writer
+        return writer.wait()
+
+    def _drop_writer(self) -> None:
+        """Wait for a background write still running; its outcome is no longer wanted (the controller
+        reads it through :meth:`saved`, or gave that checkpoint up)."""
+        if self.writer is not None:
+            self.writer.thread.join()
+            self.writer = None
 
     @endpoint
     async def load(self, path: str) -> int:
@@ -489,6 +527,7 @@ class Trainer(Actor):
                 a LoRA checkpoint resumed without LoRA or the reverse, other ``trainer.lora`` settings
                 or another base model (each names the keys and values).
         """
+        self._drop_writer()
         st, ad = os.path.join(path, "model.safetensors"), os.path.join(path, lora_mod.CHECKPOINT_FILE)
         self._check_lora_checkpoint(path, os.path.isfile(ad))
         if not os.path.isfile(ad if self.lora.rank else st):
@@ -542,3 +581,35 @@ class Trainer(Actor):
         if diff := [f"model.{k}={base.get(k)!r} (this run: {v!r})" for k, v in self.model_cfg.items() if base.get(k) != v]:
             raise ValueError(f"checkpoint {path} holds LoRA adapters of another base model: {'; '.join(diff)}: the "
                              f"adapters only make sense on their own base; resume with its model settings")
+
+
+class FileWriter:
+    """Writes ``files`` (``{name: bytes}``, staged in host memory) into the directory ``path`` in a
+    thread (file writes release the GIL, so the actor's training goes on). :meth:`wait` joins it.
+    A write that fails removes the files at once (a full disk gets its space back)."""
+
+    def __init__(self, path: str, files: dict):
+        self.error: Optional[BaseException] = None
+        self.write_s = 0.0
+        self.thread = threading.Thread(target=self._write, args=(path, files), daemon=True, name="checkpoint-writer")
+        self.thread.start()
+
+    def _write(self, path: str, files: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            for name, data in files.items():
+                with open(os.path.join(path, name), "wb") as f:
+                    f.write(data)
+        except BaseException as e:  # raised by wait()
+            self.error = e
+            for name in files:  # a full disk: its space back at once (the run's metrics lines need it)
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(path, name))
+        self.write_s = time.perf_counter() - t0
+
+    def wait(self) -> float:
+        """Seconds the writing took, once done. Raises the write's error (OSError: a full disk)."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.write_s

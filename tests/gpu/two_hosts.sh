@@ -7,6 +7,8 @@
 #
 #   tests/gpu/two_hosts.sh loop     qwen3_1_7b shape, 7 steps, weight_sync.transport=auto (-> nccl); KILL_AT=n
 #                                   kills the generator (on node 1) 3 s after step n: the run must recover;
+#                                   KILL_TRAINER_AT=n kills the trainer (node 0) KILL_DELAY (3) s after step n, with
+#                                   checkpoint.every=$CKPT_EVERY (2): respawned, back to the last checkpoint;
 #                                   LOOP_ARGS adds overrides (say generator.quantization=fp8 loss.rollout_correction=tis),
 #                                   LOOP_NAME names the run (default hosts_nccl)
 #   tests/gpu/two_hosts.sh loopcont the loop's run with rollout.mode=batch, then with continuous (CONT_ARGS adds
@@ -47,7 +49,8 @@ loop() {  # name recipe overrides...
   PORT=$((PORT + 1))
   node 1 "$GPUS1" "$recipe" > "$OUT/$name.node1.log" 2>&1 &
   local w=$!
-  node 0 "$GPUS0" "$recipe" $LAYOUT run_id="$name" "$@" > "$OUT/$name.log" 2>&1 &
+  local ckpt=""; [ -n "${KILL_TRAINER_AT:-}" ] && ckpt="checkpoint.every=${CKPT_EVERY:-2}"
+  node 0 "$GPUS0" "$recipe" $LAYOUT $ckpt run_id="$name" "$@" > "$OUT/$name.log" 2>&1 &
   local c=$!
   if [ -n "${KILL_AT:-}" ]; then
     until grep -q "\"step\": $KILL_AT," "/tmp/runs/$name/metrics.jsonl" 2>/dev/null || ! kill -0 $c 2>/dev/null; do sleep 1; done
@@ -55,13 +58,19 @@ loop() {  # name recipe overrides...
     local g; g=$(python3 -c "import json; print(json.load(open('/tmp/runs/$name/actors.json'))['generator']['pid'])")
     echo "$name: kill -9 generator pid $g (node 1) after step $KILL_AT at $(date +%T)"; kill -9 "$g"
   fi
+  if [ -n "${KILL_TRAINER_AT:-}" ]; then
+    until grep -q "\"step\": $KILL_TRAINER_AT," "/tmp/runs/$name/metrics.jsonl" 2>/dev/null || ! kill -0 $c 2>/dev/null; do sleep 1; done
+    sleep "${KILL_DELAY:-3}"
+    local t; t=$(python3 -c "import json; print(json.load(open('/tmp/runs/$name/actors.json'))['trainer']['pid'])")
+    echo "$name: kill -9 trainer pid $t (node 0) after step $KILL_TRAINER_AT at $(date +%T)"; kill -9 "$t"
+  fi
   wait $c
   echo "$name: node 0 exit $?"
   cat "/tmp/runs/$name/faults.jsonl" 2>/dev/null | cut -c1-400
   kill $w 2>/dev/null; wait $w 2>/dev/null
   grep -E "weight sync:|compile|activation" "$OUT/$name.log" | head -5
   cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null &&
-    python3 -m benchmarks.summarize_run "$OUT/$name.metrics.jsonl" --skip 2 --until "${KILL_AT:-0}" --name "$name" \
+    python3 -m benchmarks.summarize_run "$OUT/$name.metrics.jsonl" --skip 2 --until "${KILL_AT:-${KILL_TRAINER_AT:-0}}" --name "$name" \
       --markdown | tee -a "$OUT/summary.txt"
 }
 
