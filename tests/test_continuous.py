@@ -6,6 +6,7 @@ and one real CPU run through every actor in which no trained episode exceeds ``m
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import time
 from types import SimpleNamespace
@@ -272,12 +273,16 @@ def _controller(tmp_path, overrides, *, replicas=1, calls=lambda line: 1, lose=N
     async def publish(*_):
         return SimpleNamespace(version=version[0], nbytes=1)
 
-    async def save(path, with_optimizer, dtype="float32"):
+    async def save(path, with_optimizer, dtype="float32", background=False):
         if with_optimizer:  # a checkpoint (not final/)
             ctl.in_flight_at_save.append(ctl.rollouts_in_flight + len(ctl.live))
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "version"), "w") as f:
             f.write(str(version[0]))
+        return 1
+
+    async def saved():
+        return 0.0
 
     async def load_ckpt(path):
         with open(os.path.join(path, "version")) as f:
@@ -287,8 +292,8 @@ def _controller(tmp_path, overrides, *, replicas=1, calls=lambda line: 1, lose=N
     async def state():
         return list(buf.items)
 
-    async def restore(eps):
-        buf.items.extend(eps)
+    async def restore(eps):  # the buffer's contents replaced by the checkpoint's
+        buf.items = collections.deque(eps)
 
     async def nothing(*_):
         return None
@@ -296,7 +301,7 @@ def _controller(tmp_path, overrides, *, replicas=1, calls=lambda line: 1, lose=N
     gens = [replica(r) for r in range(replicas)]
     parts = dict(generators=gens, reward=svc("reward", score=score),
                  reference=svc("reference", logprobs=lambda eps: asyncio.sleep(0, ([[0.0]] * len(eps), 0.0))),
-                 trainer=svc("trainer", train_step=train_step, publish=publish, save=save, load=load_ckpt),
+                 trainer=svc("trainer", train_step=train_step, publish=publish, save=save, saved=saved, load=load_ckpt),
                  buffer=svc("replay_buffer", add=add, sample=lambda n, s: asyncio.sleep(0, buf.sample(n, s)),
                             num_episodes=lambda: asyncio.sleep(0, len(buf)), state=state, restore=restore))
     ctl.svc = SimpleNamespace(**parts, generator=gens[0], all=lambda: [*gens, *list(parts.values())[1:]],
@@ -398,7 +403,7 @@ def test_a_checkpoint_drains_the_replicas_and_a_resumed_run_goes_on_from_it(tmp_
     exactly there (none skipped, none drawn again) and trains each prompt at most once, within the
     staleness bound. (Which groups finish first depends on timing: the batches after a resume are not
     bit-identical to an uninterrupted run's.)"""
-    args = ["steps=6", "max_staleness=1", "checkpoint.every=2", "checkpoint.keep=10"]
+    args = ["steps=6", "max_staleness=1", "checkpoint.every=2", "checkpoint.keep=10", "checkpoint.background=false"]
     first = _controller(tmp_path, args, calls=lambda line: 1 + line % 3)
     train_step = first.svc.trainer.train_step.fn
 
