@@ -80,7 +80,7 @@ test: venv-extras
 test-fast: venv-extras
 	$(PY) -m pytest -q $(TEST_XDIST) -m "not slow" tests
 
-# kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root): about 6 minutes
+# kill -9 / SIGSTOP of actors, NaN loss, damaged checkpoints, a full disk (tmpfs, as root), trainer and replay-buffer recovery: several minutes
 chaos: venv-extras
 	$(PY) -m pytest -s -m chaos tests
 
