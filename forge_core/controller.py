@@ -68,7 +68,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from forge_core import checkpoint, memory
-from forge_core.data import DataError, Problem, PromptSource, eval_subset, load_split, sft_target
+from forge_core.data import DataError, Problem, PromptSource, eval_subset, has_conversation, load_split, sft_target
 from forge_core.episode import Episode
 from forge_core.evaluate import RUN_INFO, eval_calls, eval_sampling, held_out_scores
 from forge_core.metrics import MetricsLog, batch_hash, batch_stats, plot_rewards, sft_row, step_row
@@ -681,7 +681,7 @@ def load_task(cfg: DictConfig) -> tuple[list[Problem], list[Problem]]:
                         f"of data.train={cfg.data.train}: one batch would repeat prompts")
     if cfg.loss.name == "sft":
         for p in train:  # every example has a target to train on (the first without one is named)
-            if cfg.env.fn and not any(m["role"] == "assistant" for m in p.messages):
+            if cfg.env.fn and not has_conversation(p):
                 raise DataError(f"{p.id}: no assistant turn in its messages: with env.fn, SFT trains on "
                                 f"conversations (data.messages_field) and their assistant turns")
             sft_target(p, cfg.data)

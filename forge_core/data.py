@@ -273,6 +273,12 @@ class PromptSource:
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
 
 
+def has_conversation(problem: Problem) -> bool:
+    """Whether ``problem``'s messages hold an assistant turn: an SFT run then trains on its
+    assistant turns (:func:`forge_core.rollout.sft_conversation`) instead of a target text."""
+    return any(m["role"] == "assistant" for m in problem.messages)
+
+
 def sft_target(problem: Problem, data: Any) -> str:
     """The text an SFT run (``loss=sft``) trains ``problem``'s response on: the data's answer field as
     written (``file``/``hub``: ``answer_field``, e.g. a MATH solution), for GSM8K its worked solution
@@ -284,7 +290,7 @@ def sft_target(problem: Problem, data: Any) -> str:
     Raises:
         DataError: naming the row when the target is missing or empty.
     """
-    if any(m["role"] == "assistant" for m in problem.messages):
+    if has_conversation(problem):
         return ""
     field_ = "answer" if data.source == "gsm8k" else data.answer_field
     text = problem.row.get(field_) if field_ else None

@@ -131,6 +131,16 @@ class _Live:
     done: bool = False
 
 
+def _start(cls: type, env_cfg: dict, problem: Any, messages: list) -> tuple[Any, list]:
+    """An environment of class ``cls`` for ``problem``, started on ``messages``: ``(env, the
+    messages it returns)``. Raises EnvError naming the row when its ``init`` fails."""
+    env = make_env(cls, env_cfg, problem)
+    try:
+        return env, env.init(messages)[0]
+    except Exception as e:
+        raise EnvError(f"{problem.id}: {cls.__name__}.init failed on this row: {type(e).__name__}: {e}") from None
+
+
 def rollout_episodes(problems: list, n: int, *, tok: Any, env_cfg: dict, system_prompt: str,
                      max_prompt_tokens: int, max_response_tokens: int, version: int,
                      sample: Callable[[list[list[int]], list[int]], list[Sampled]]) -> list[Episode]:
@@ -153,11 +163,7 @@ def rollout_episodes(problems: list, n: int, *, tok: Any, env_cfg: dict, system_
     bridges: dict[str, ChatBridge] = {}  # one per tool set: its probe renders the template twice
     for p in problems:
         for _ in range(n):
-            env = make_env(cls, env_cfg, p)
-            try:
-                messages, _ = env.init(chat_messages(p, system_prompt))
-            except Exception as e:
-                raise EnvError(f"{p.id}: {cls.__name__}.init failed on this row: {type(e).__name__}: {e}") from None
+            env, messages = _start(cls, env_cfg, p, chat_messages(p, system_prompt))
             tools = getattr(env, "tools", None)
             key = json.dumps(tools, sort_keys=True)
             bridge = bridges.get(key) or bridges.setdefault(key, ChatBridge(tok, tools))
@@ -240,12 +246,6 @@ def check_env(env_cfg: dict, problem: Any, system_prompt: str) -> None:
     env.close()
 
 
-def has_conversation(problem: Problem) -> bool:
-    """Whether ``problem``'s messages hold an assistant turn: an SFT run then trains on its
-    assistant turns (:func:`sft_conversation`) instead of a target text."""
-    return any(m["role"] == "assistant" for m in problem.messages)
-
-
 def sft_conversation(tok: Any, problem: Problem, system_prompt: str, env_cfg: Optional[dict],
                      max_prompt_tokens: int, max_response_tokens: int) -> Episode:
     """An SFT example from a conversation (a row's ``messages`` holding assistant turns, tool calls
@@ -270,12 +270,7 @@ def sft_conversation(tok: Any, problem: Problem, system_prompt: str, env_cfg: Op
                         f"assistant turns")
     head, tools = msgs[:first], None
     if env_cfg:
-        cls = load_env_class(env_cfg["fn"])
-        env = make_env(cls, env_cfg, problem)
-        try:
-            head, _ = env.init(head)
-        except Exception as e:
-            raise EnvError(f"{problem.id}: {cls.__name__}.init failed on this row: {type(e).__name__}: {e}") from None
+        env, head = _start(load_env_class(env_cfg["fn"]), env_cfg, problem, head)
         tools = getattr(env, "tools", None)
         env.close()
     bridge = ChatBridge(tok, tools)

@@ -21,6 +21,7 @@ from forge_core.data import PromptSource, load_gsm8k
 from forge_core.episode import Episode
 from forge_core.services import ActorFailed
 from helpers import TINY, TINY_MODEL
+from test_controller import _Ep  # the stand-in services' endpoint
 
 # stand-in services: groups of 2, a 1 s deadline per call, no respawn
 STANDIN = [*TINY_MODEL, "generator.group_size=2", "fault.call_timeout_s=1", "fault.timeout_per_token_s=0",
@@ -316,19 +317,6 @@ def _controller(tmp_path, overrides, *, replicas=1, calls=lambda line: 1, lose=N
 
     ctl.start = start
     return ctl
-
-
-class _Ep:
-    """An endpoint of a stand-in service."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    async def call_one(self, *args):
-        return await self.fn(*args)
-
-    async def call_all(self, *args):
-        return [await self.fn(*args)]
 
 
 def svc(name, **endpoints):

@@ -17,10 +17,10 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_core.actors.process import CoreShare, resolve_dtype, setup_process
-from forge_core.data import Problem, chat_prompt
+from forge_core.data import Problem, chat_prompt, has_conversation
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
-from forge_core.rollout import Sampled, has_conversation, resolve_tool_format, rollout_episodes, sft_conversation
+from forge_core.rollout import Sampled, resolve_tool_format, rollout_episodes, sft_conversation
 from forge_core.models import hf_config_dict, load_model, load_tokenizer, tokenizer_files
 from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
