@@ -18,7 +18,8 @@
 #   tests/gpu/two_hosts.sh sync     the full Llama-3.1-8B weights (16 GB): nccl vs rdma, no training
 # GPUS_PER_HOST=k (default 1) gives each emulated host k GPUs (2k needed): node 0 GPUs 0..k-1 (trainer FSDP over
 # k, reference sharded on it), node 1 GPUs k..2k-1 (k generator replicas of TP=1), as recipes/llama3_8b lays out
-# two 8-GPU nodes.
+# two 8-GPU nodes. INTRA_HOST_SOCKETS=1 also sends the traffic inside each host over sockets (the setting of the
+# first GPUS_PER_HOST=2 run, whose FSDP all-gathers then crossed TCP).
 # Outputs (logs, metrics, summaries) go to $OUT (default /tmp/out), runs to /tmp/runs. Needs 2 GPUs and the
 # project installed with its GPU extra (pip install -e '.[gpu]'; `bash benchmarks/gpu.sh setup` checks it).
 # GSM8K and the models' tokenizers come from the HF hub unless GSM8K_DIR names a local copy (as for make run;
@@ -29,10 +30,15 @@ OUT=$(mkdir -p "${OUT:-/tmp/out}" && cd "${OUT:-/tmp/out}" && pwd) || exit 3  # 
 cd "$(dirname "$0")/../.."
 if [ -z "${GSM8K_DIR:-}" ] && [ -d ../shared/data/gsm8k ]; then export GSM8K_DIR=$(cd ../shared/data/gsm8k && pwd); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
 IPS=$'127.0.0.1\n127.0.0.2'
 PORT=${PORT:-26610}
 K=${GPUS_PER_HOST:-1}
+# Each emulated host gets its own NCCL host id (node(): NCCL_HOSTID), so NCCL uses its network transport
+# (sockets: no InfiniBand) between the hosts and never P2P or shared memory across them. With one GPU a host
+# P2P and shared memory are also switched off outright, as the earlier reports measured; with several, the
+# collectives inside a host (FSDP over the trainer's GPUs, the sharded reference) keep NVLink, as on a real node.
+export NCCL_IB_DISABLE=1 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
+[ "$K" = 1 ] || [ "${INTRA_HOST_SOCKETS:-0}" = 1 ] && export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 GPUS0=$(seq -s, 0 $((K - 1))) GPUS1=$(seq -s, $K $((2 * K - 1)))
 LAYOUT="layout.nodes=2 layout.gpus_per_node=$K layout.generator.host=1 layout.generator.replicas=$K
   layout.generator.tp=1 layout.trainer.host=0 layout.trainer.gpus=$K layout.reference.host=0 layout.reference.gpus=0
@@ -40,7 +46,7 @@ LAYOUT="layout.nodes=2 layout.gpus_per_node=$K layout.generator.host=1 layout.ge
 
 node() {  # rank gpu recipe overrides...
   local rank=$1 gpu=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu SKYPILOT_NODE_RANK=$rank SKYPILOT_NODE_IPS="$IPS" SKYPILOT_NUM_NODES=2 \
+  CUDA_VISIBLE_DEVICES=$gpu NCCL_HOSTID=emulated-host-$rank SKYPILOT_NODE_RANK=$rank SKYPILOT_NODE_IPS="$IPS" SKYPILOT_NUM_NODES=2 \
     FORGE_MONARCH_PORT=$PORT timeout 560 python3 -m launch.node --from sky "$@"
 }
 
