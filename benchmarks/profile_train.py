@@ -54,23 +54,23 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
 
-    from omegaconf import OmegaConf
-
     from benchmarks.bench_gpu import overrides, synthetic_episodes
     from forge_core.actors.reference import Reference
     from forge_core.actors.trainer import Trainer
-    from forge_core.config import load_config
+    from forge_core.config import TrainerConfig, load_config, to_dataclass
+    from forge_core.losses import LossConfig
+    from forge_core.models import ModelConfig
 
     recipe, ov = overrides(a.model, 1, "", a.overrides)
     cfg = load_config(recipe, ov)
-    c = lambda x: OmegaConf.to_container(x, resolve=True)
     seq = cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens
     eps = synthetic_episodes(cfg, [], a.episodes, a.response)
     tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
     results = []
 
     t = Trainer.__new__(Trainer)
-    Trainer.__init__(t, c(cfg.trainer), c(cfg.model), c(cfg.loss), device="cuda", publish_dtype="bfloat16",
+    Trainer.__init__(t, to_dataclass(cfg.trainer, TrainerConfig), to_dataclass(cfg.model, ModelConfig),
+                     to_dataclass(cfg.loss, LossConfig), device="cuda", publish_dtype="bfloat16",
                      temperature=cfg.generator.temperature, max_response_tokens=cfg.generator.max_response_tokens,
                      seq_len=seq, seed=0, threads=4, gpus=[0], per_node=1)
     for _ in range(a.steps):
@@ -82,7 +82,8 @@ def main() -> int:
 
     torch.cuda.empty_cache()
     r = Reference.__new__(Reference)
-    Reference.__init__(r, c(cfg.model), device="cuda", dtype="bfloat16", temperature=cfg.generator.temperature,
+    Reference.__init__(r, to_dataclass(cfg.model, ModelConfig), device="cuda", dtype="bfloat16",
+                       temperature=cfg.generator.temperature,
                        micro_batch_size=cfg.trainer.micro_batch_size, seq_len=seq, seed=0, threads=4, gpus=[0],
                        per_node=1, tokens_per_micro_batch=cfg.trainer.tokens_per_micro_batch,
                        logprob_chunk=cfg.trainer.logprob_chunk, compile=cfg.trainer.compile)

@@ -22,7 +22,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, TypeVar, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
@@ -298,6 +298,34 @@ class Config:
     output_dir: str = "runs/${recipe}"
     run_id: str = "${oc.env:FORGE_RUN_ID,''}"
     resume: bool = True
+
+
+_T = TypeVar("_T")
+
+
+def to_dataclass(section: Union[DictConfig, dict], cls: type[_T]) -> _T:
+    """The config ``section`` (a resolved DictConfig section such as ``cfg.trainer``, or a plain dict of
+    its values) as an instance of its schema dataclass ``cls`` (e.g. :class:`TrainerConfig`), nested
+    sections as their own dataclasses (``trainer.lora``: :class:`forge_core.lora.LoRAConfig`), lists as
+    lists. The actors get these, not DictConfigs: typed attributes, picklable, and a key the section does
+    not set takes the dataclass's default, the one place each default is written. A ``loss`` section
+    (``cls`` :class:`~forge_core.losses.LossConfig`) becomes its own loss's subclass
+    (:data:`~forge_core.losses.LOSS_CONFIGS` of its ``name``, e.g. :class:`~forge_core.losses.DAPOLossConfig`).
+
+    Raises:
+        ConfigError: a key that is no field of ``cls``, or a value of the wrong type (names the key).
+    """
+    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+    if cls is LossConfig:
+        name = values.get("name", LossConfig.name)
+        if name not in LOSS_CONFIGS:
+            raise ConfigError(f"loss.name={name!r} is not a loss: one of {sorted(LOSS_CONFIGS)}")
+        cls = LOSS_CONFIGS[name]
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{cls.__name__}.{getattr(e, 'full_key', '')}: {str(e).strip().splitlines()[0]}") from None
 
 
 @functools.cache

@@ -34,9 +34,10 @@ fault supervision :mod:`forge_core.supervision`; both are parts of :class:`Contr
 placing the actors is :mod:`forge_core.services`; the weight transports :mod:`forge_core.weight_sync`;
 checkpoint files :mod:`forge_core.checkpoint`; the metrics row :func:`forge_core.metrics.step_row`.
 
-This module reads top-down: :meth:`Controller.run` and the training loop (``_run``), then their
-helpers in the order the loop uses them (start, next batch, weight sync, evaluation, checkpoints);
-the module's helper functions last.
+This module reads top-down: :meth:`Controller.run` and the training loop (``_run``, and ``_run_sft``
+for SFT: each gives its step's batch and row to the one loop, ``_loop``), then their helpers in the
+order the loop uses them (start, next batch, weight sync, evaluation, checkpoints); the module's
+helper functions last.
 
 Faults inside a run (``fault.*``): every actor call has a deadline from the work it carries; a
 generator replica, the reward or the reference that dies or misses its deadline is killed, respawned
@@ -62,7 +63,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -159,139 +160,129 @@ class Controller(RolloutLoop, Supervision):
             await self.shutdown()
 
     async def _run(self, t_start: float) -> dict:
-        """The training loop (the module docstring's right column), after :meth:`start`: take a batch,
-        train one step, start the new version's weight sync (and its evaluation when due) in the
-        background, log one metrics row, checkpoint every ``checkpoint.every`` steps; at the end save
-        ``final/``. The rollout loop (:meth:`rollout_loop`) runs beside it as a task; its failures are
-        raised here. ``t_start``: :func:`time.perf_counter` at the start of :meth:`run`; called again
-        after an in-run recovery, from the checkpoint's step. Returns the last step's row (empty when
-        no step was left)."""
+        """The training loop (the module docstring's right column) in :meth:`_loop`: take a batch from
+        the replay buffer, train one step, start the new version's weight sync (and its evaluation when
+        due) in the background, log one metrics row. The rollout loop (:meth:`rollout_loop`) runs beside
+        it as a task; its failures are raised here. Returns the last step's row."""
+        wait: dict = {}  # seconds the step waited for its batch
+
+        async def batch(t0: float) -> list[Episode]:
+            episodes = await self._next_batch()
+            wait["s"] = time.perf_counter() - t0
+            if self.rollout_task.done():
+                self.rollout_task.result()  # re-raise a rollout failure
+            return episodes
+
+        async def trained(episodes: list[Episode], tm: dict, t0: float) -> dict:
+            stats = {"batch_hash": batch_hash(episodes), **batch_stats(episodes, self.step)}  # of a trained batch
+            if self.sync_task is not None:
+                await self.sync_task  # receivers may still read the buffer publish overwrites
+            prev_sync = dict(self.last_sync)
+            self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=self._eval_due(self.step + 1)))
+            self.step += 1
+            finished, self.rollout_stats = self.rollout_stats, []
+            # timings: of the rollouts finished during this step, else of the latest one (a row
+            # never reports a 0 s generation because the next rollout is still running)
+            self.last_rollouts = finished or self.last_rollouts
+            return step_row(self.step, tm, stats, prev_sync, state=self.state_dict(), rollouts=finished,
+                            reported=self.last_rollouts, checkpoint=self._ckpt_row(),
+                            timings={"wait_for_rollout_s": wait["s"], "step_s": time.perf_counter() - t0,
+                                     "elapsed_s": time.perf_counter() - t_start, "startup_s": self.startup_s})
+
+        def shown(row: dict) -> dict:
+            return {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.2f}",
+                    "loss": f"{row['loss']:.4f}", "sync": f"{row['weight_sync_exposed_s']:.2f}s"}
+
+        return await self._loop(t_start, "GRPO", batch, trained, shown, background=self.rollout_loop)
+
+    async def _run_sft(self, t_start: float) -> dict:
+        """The SFT loop (``loss=sft``) in :meth:`_loop`: take ``prompts_per_step`` examples, have
+        generator replica 0 tokenize them with their targets (:func:`forge_core.data.sft_target`), train
+        one step on the targets' cross-entropy; publish the weights to the replicas only to evaluate
+        them (``eval.*``, as in GRPO); log a row. No rollouts, reference or replay buffer. Returns the
+        last step's row."""
         cfg, s = self.cfg, self.svc
+
+        async def batch(t0: float) -> list[Episode]:
+            problems = self.source.next_batch(cfg.prompts_per_step)
+            self.batches_made += 1
+            targets = [sft_target(p, cfg.data) for p in problems]
+            return await call(s.generator.name, s.generator.sft_episodes, problems, targets,
+                              timeout_s=self._deadline(0))
+
+        async def trained(episodes: list[Episode], tm: dict, t0: float) -> dict:
+            self.step += 1
+            if self._eval_due(self.step):  # the replicas get this version to evaluate it
+                if self.sync_task is not None:
+                    await self.sync_task
+                self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=True))
+            return sft_row(self.step, tm, episodes, state=self.state_dict(),
+                           timings={"step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
+                                    "startup_s": self.startup_s})
+
+        return await self._loop(t_start, "SFT", batch, trained, lambda row: {"loss": f"{row['loss']:.4f}"})
+
+    async def _loop(self, t_start: float, title: str, batch: Callable[[float], Awaitable[list[Episode]]],
+                    trained: Callable[[list[Episode], dict, float], Awaitable[dict]], shown: Callable[[dict], dict],
+                    background: Optional[Callable[[], Awaitable[None]]] = None) -> dict:
+        """The loop both modes share, after :meth:`start` (called here unless already done: after an
+        in-run recovery it is called again from the checkpoint's step). Per step until ``cfg.steps``:
+        ``batch(t0)`` gives the step's episodes (``t0``: :func:`time.perf_counter` at the step's start),
+        the trainer trains one step on them (a non-finite one is skipped, :meth:`_skip`), ``trained(episodes,
+        train metrics, t0)`` counts the step and returns its metrics row; the row is logged, a checkpoint is
+        written every ``checkpoint.every`` steps and at the last, ``shown(row)`` goes on the progress bar
+        (``title`` and the recipe). ``background``: a coroutine function run as :attr:`rollout_task`
+        beside the loop (GRPO's rollout loop), cancelled at the end. At the end the last weight sync
+        (and evaluation) is awaited, the last checkpoint's write, and ``final/`` is saved. ``t_start``:
+        :func:`time.perf_counter` at the start of :meth:`run`. Returns the last step's row (empty when
+        no step was left)."""
+        cfg = self.cfg
         if not self.started:  # (after an in-run recovery: started, the state restored)
             await self.start()
             self.startup_s = time.perf_counter() - t_start
-        startup_s = self.startup_s
         # Rows 1..step were logged before checkpoint step_<step> was written: keep them, drop later ones.
         mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
                                       os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
         if cfg.eval.at_start and self.step == 0 and not self.rolled_back:  # version 0, beside the first rollout
             self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"{title} {cfg.recipe}", unit="step", dynamic_ncols=True,
                    disable=not self.progress)
-        rollouts = self.rollout_task = asyncio.create_task(self.rollout_loop())
+        task = self.rollout_task = asyncio.create_task(background()) if background else None
         row: dict = {}
-        shown: dict = {}  # the last step's figures on the progress bar
+        figures: dict = {}  # the last step's figures on the progress bar
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                episodes = await self._next_batch()
-                wait_s = time.perf_counter() - t0
-                if rollouts.done():
-                    rollouts.result()  # re-raise a rollout failure
+                episodes = await batch(t0)
                 tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-                tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
+                tm = await call("trainer", self.svc.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
                 if tm["skipped"]:
                     self._skip(tm)
                     continue
                 self.bad_in_a_row = 0
-                batch = {"batch_hash": batch_hash(episodes), **batch_stats(episodes, self.step)}  # of a trained batch
-                if self.sync_task is not None:
-                    await self.sync_task  # receivers may still read the buffer publish overwrites
-                prev_sync = dict(self.last_sync)
-                self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=self._eval_due(self.step + 1)))
-                self.step += 1
-                finished, self.rollout_stats = self.rollout_stats, []
-                # timings: of the rollouts finished during this step, else of the latest one (a row
-                # never reports a 0 s generation because the next rollout is still running)
-                self.last_rollouts = finished or self.last_rollouts
-                row = step_row(self.step, tm, batch, prev_sync, state=self.state_dict(), rollouts=finished,
-                               reported=self.last_rollouts, checkpoint=self._ckpt_row(),
-                               timings={"wait_for_rollout_s": wait_s, "step_s": time.perf_counter() - t0,
-                                        "elapsed_s": time.perf_counter() - t_start, "startup_s": startup_s})
+                row = await trained(episodes, tm, t0)
                 mlog.log(row)  # before the checkpoint: a resume keeps this row (no gap)
                 if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
                     await self.save_checkpoint()
-                shown = {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.2f}",
-                         "loss": f"{row['loss']:.4f}", "sync": f"{row['weight_sync_exposed_s']:.2f}s"}
-                self._show(bar, shown)
+                figures = shown(row)
+                self._show(bar, figures)
                 bar.update(1)
-            rollouts.cancel()
+            if task is not None:
+                task.cancel()
             if self.sync_task is not None:
                 await self.sync_task
-                self._show(bar, shown)  # the last evaluation finishes after the last step
+                self._show(bar, figures)  # the last evaluation finishes after the last step
             await self._checkpoint_written()
             await self.save_final()
         except Exception as e:  # the run ends or goes back to a checkpoint: the one being written first
             await self._settle_checkpoint(e)
             raise
         finally:
-            rollouts.cancel()
-            for t in (rollouts, self.sync_task, self.ckpt_task):  # retrieve a failure already raised elsewhere
+            if task is not None:
+                task.cancel()
+            for t in (task, self.sync_task, self.ckpt_task):  # retrieve a failure already raised elsewhere
                 if t is not None and t.done() and not t.cancelled():
                     t.exception()
-            bar.close()
-            mlog.close()
-        return row
-
-    async def _run_sft(self, t_start: float) -> dict:
-        """The SFT loop (``loss=sft``), after :meth:`start`: take ``prompts_per_step`` examples, have
-        generator replica 0 tokenize them with their targets (:func:`forge_core.data.sft_target`), train
-        one step on the targets' cross-entropy; publish the weights to the replicas only to evaluate
-        them (``eval.*``, as in GRPO); log a row, checkpoint every ``checkpoint.every`` steps; at the end
-        save ``final/``. No rollouts, reference or replay buffer. Returns the last step's row."""
-        cfg, s = self.cfg, self.svc
-        if not self.started:
-            await self.start()
-            self.startup_s = time.perf_counter() - t_start
-        startup_s = self.startup_s
-        mlog = self.mlog = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), self.step + 1, cfg.wandb,
-                                      os.path.basename(self.out_dir), config=OmegaConf.to_container(cfg))
-        if cfg.eval.at_start and self.step == 0 and not self.rolled_back:
-            self.sync_task = asyncio.create_task(self.publish_and_sync(sync=False, evaluate=True))
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"SFT {cfg.recipe}", unit="step", dynamic_ncols=True,
-                   disable=not self.progress)
-        row: dict = {}
-        shown: dict = {}
-        try:
-            while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                problems = self.source.next_batch(cfg.prompts_per_step)
-                self.batches_made += 1
-                targets = [sft_target(p, cfg.data) for p in problems]
-                episodes = await call(s.generator.name, s.generator.sft_episodes, problems, targets,
-                                      timeout_s=self._deadline(0))
-                tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-                tm = await call("trainer", s.trainer.train_step, episodes, timeout_s=self._deadline(tokens))
-                if tm["skipped"]:
-                    self._skip(tm)
-                    continue
-                self.bad_in_a_row = 0
-                self.step += 1
-                if self._eval_due(self.step):  # the replicas get this version to evaluate it
-                    if self.sync_task is not None:
-                        await self.sync_task
-                    self.sync_task = asyncio.create_task(self.publish_and_sync(evaluate=True))
-                row = sft_row(self.step, tm, episodes, state=self.state_dict(),
-                              timings={"step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start,
-                                       "startup_s": startup_s})
-                mlog.log(row)
-                if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps):
-                    await self.save_checkpoint()
-                shown = {"loss": f"{row['loss']:.4f}"}
-                self._show(bar, shown)
-                bar.update(1)
-            if self.sync_task is not None:
-                await self.sync_task
-                self._show(bar, shown)
-            await self._checkpoint_written()
-            await self.save_final()
-        except Exception as e:
-            await self._settle_checkpoint(e)
-            raise
-        finally:
-            for t in (self.sync_task, self.ckpt_task):
-                if t is not None and t.done() and not t.cancelled():
-                    t.exception()  # retrieved: raised above when it failed
             bar.close()
             mlog.close()
         return row

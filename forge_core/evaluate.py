@@ -28,6 +28,7 @@ recipe with an environment (``env.fn``) is evaluated on multi-turn episodes thro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import hashlib
 import json
@@ -38,7 +39,7 @@ from typing import Any, Optional
 
 from forge_core.data import eval_subset, load_split
 from forge_core.models import ModelSourceError, hf_config_dict, pretrained_dir
-from forge_core.rewards import (RewardError, extract_answer, harness_exact_match, harness_extract)
+from forge_core.rewards import RewardConfig, RewardError, extract_answer, harness_exact_match, harness_extract
 
 RUN_INFO = "forge.json"  # in final/: what the run's generators were (their resolved dtype) and the version
 
@@ -127,7 +128,7 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine
         RewardError: the reward function fails (names it and the example).
     """
     from forge_core.actors.reward import RewardActor
-    from omegaconf import OmegaConf
+    from forge_core.config import to_dataclass
 
     t0 = time.perf_counter()
     e = cfg.eval
@@ -146,7 +147,7 @@ def evaluate(cfg: Any, ckpt: Optional[str] = None, progress: bool = True, engine
             episodes += got
             bar.update(end - start)
     gen_s = time.perf_counter() - tg
-    episodes, error = local_call(RewardActor(OmegaConf.to_container(cfg.reward, resolve=True)), "score", episodes)
+    episodes, error = local_call(RewardActor(to_dataclass(cfg.reward, RewardConfig)), "score", episodes)
     if error:
         raise RewardError(error)
     info = run_info(ckpt)
@@ -231,7 +232,7 @@ def eval_generator(cfg: Any, ckpt: Optional[str]) -> Any:
         plan = Plan([slot], Slot(0), Slot(0))
     kw = actor_kwargs(cfg, "generator", slot, plan, name="generator")
     if ckpt and os.path.isfile(os.path.join(ckpt, "tokenizer_config.json")):
-        kw["model"] = dict(kw["model"], path=ckpt)  # its tokenizer (and, on the CPU, its architecture files)
+        kw["model"] = dataclasses.replace(kw["model"], path=ckpt)  # its tokenizer (on the CPU, its architecture too)
     if vllm:
         from forge_core.actors.vllm_generator import VllmGenerator as cls
     else:
@@ -240,7 +241,7 @@ def eval_generator(cfg: Any, ckpt: Optional[str]) -> Any:
     try:
         gen = cls(**kw)
     except Exception as err:  # transformers reading a checkpoint's files (CPU): truncated, not safetensors, ...
-        if vllm or kw["model"].get("path") != ckpt:
+        if vllm or kw["model"].path != ckpt:
             raise
         raise ModelSourceError(f"CKPT={ckpt}: cannot load it as an HF checkpoint: {str(err)[:500]}") from None
     if ckpt is not None and len(gen.tok) > conf.vocab_size:

@@ -383,7 +383,7 @@ def validate_loss(cfg: Any) -> None:
                 raise ValueError(f"{field} must be > 0, got {getattr(cfg, field)!r}")
     if name == "sft" and float(cfg.beta) != 0.0:
         raise ValueError(f"beta must be 0 for sft (an SFT run has no reference model), got {cfg.beta!r}")
-    correction = getattr(cfg, "rollout_correction", "none")
+    correction = cfg.rollout_correction
     if correction not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"unknown rollout_correction={correction!r}; expected one of {ROLLOUT_CORRECTIONS}")
     if correction != "none" and not float(cfg.correction_cap) > 0.0:
@@ -476,7 +476,7 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     # version's weights, which generated the episode unless it is stale) against the sampler's.
     gap = torch.where(m, lp.detach() - old, 0.0)  # log rho_t
     rho = torch.exp(gap)
-    correction, cap = getattr(cfg, "rollout_correction", "none"), float(getattr(cfg, "correction_cap", 2.0))
+    correction, cap = cfg.rollout_correction, float(cfg.correction_cap)
     term = _policy_term(cfg, lp, old if correction == "none" else lp.detach(), adv, m)
     per_token = term.loss
     if correction == "tis":
@@ -488,7 +488,7 @@ def compute_loss(cfg: Any, logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
         kl = kl_estimate(lp, torch.where(m, ref_logprobs.detach().to(dtype), 0.0), cfg.kl_estimator)
         if beta > 0:
             per_token = per_token + beta * kl
-    loss = aggregate(per_token, m, cfg.aggregation, getattr(cfg, "horizon", None))
+    loss = aggregate(per_token, m, cfg.aggregation, cfg.horizon)
     metrics = _metrics(term, kl, None if cfg.name == "sft" else (gap, rho, cap), m)
     return loss, metrics if lazy else metrics()
 

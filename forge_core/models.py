@@ -203,34 +203,35 @@ def _convert_smollm2(out: str) -> str:
     return out
 
 
-def gated_without_token(cfg: Any, env: Optional[Any] = None) -> Optional[str]:
-    """The error message when model ``cfg`` (a :class:`ModelConfig`) is gated on the HF hub, has no
-    local copy (``cfg.path``) and ``env`` (default ``os.environ``) has neither ``HF_TOKEN`` nor the
-    legacy ``HUGGING_FACE_HUB_TOKEN`` (huggingface_hub reads both); else None.
+def gated_without_token(cfg: ModelConfig, env: Optional[Any] = None) -> Optional[str]:
+    """The error message when model ``cfg`` (a :class:`ModelConfig`, or the run config's ``model``
+    section) is gated on the HF hub, has no local copy (``cfg.path``) and ``env`` (default
+    ``os.environ``) has neither ``HF_TOKEN`` nor the legacy ``HUGGING_FACE_HUB_TOKEN`` (huggingface_hub
+    reads both); else None.
     The one gated-model check: the local, SLURM and SkyPilot launchers all use it."""
     env = os.environ if env is None else env
     spec = spec_of(cfg.name)
-    path = getattr(cfg, "path", "") or spec.path
+    path = cfg.path or spec.path
     if not spec.gated or os.path.isdir(path) or env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN"):
         return None
     return (f"model {cfg.name!r} ({path}) is gated on the HF hub and HF_TOKEN is not set: accept its licence on "
             f"huggingface.co and pass a token (SkyPilot: `--secret HF_TOKEN`; SLURM/local: export HF_TOKEN)")
 
 
-def pretrained_dir(cfg: Any) -> Optional[str]:
+def pretrained_dir(cfg: ModelConfig) -> Optional[str]:
     """The HF-format directory (or hub id) to load ``cfg``'s pretrained weights from, or None when
     the model starts from random weights (``model.init=random``, or a test model).
 
     Raises:
         ModelSourceError: a gated model without HF_TOKEN, or a missing package file.
     """
-    if cfg.init == "random" or (spec_of(cfg.name).config is not None and not getattr(cfg, "path", "")):
+    if cfg.init == "random" or (spec_of(cfg.name).config is not None and not cfg.path):
         return None  # (a test model starts from random weights unless model.path names a checkpoint of it)
     return _hf_source(cfg)
 
 
-def _hf_source(cfg: Any) -> str:
-    spec, path = spec_of(cfg.name), getattr(cfg, "path", "")
+def _hf_source(cfg: ModelConfig) -> str:
+    spec, path = spec_of(cfg.name), cfg.path
     if spec.source == "gguf" and not path:
         return converted_smollm2()
     if gated := gated_without_token(cfg):
@@ -245,7 +246,7 @@ def spec_of(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-def load_tokenizer(cfg: Any):
+def load_tokenizer(cfg: ModelConfig):
     """The tokenizer of ``cfg.name``, read from ``cfg.path`` when set (a test model borrows another
     model's tokenizer, ``tokenizer_from``), with the pad token set and left padding for generation.
 
@@ -256,7 +257,7 @@ def load_tokenizer(cfg: Any):
     from transformers import AutoTokenizer
 
     src_name = spec_of(cfg.name).tokenizer_from or cfg.name
-    own_path = getattr(cfg, "path", "") if src_name == cfg.name else ""  # a borrowed tokenizer is never there
+    own_path = cfg.path if src_name == cfg.name else ""  # a borrowed tokenizer is never there
     smol = os.path.join(cache_dir(), "smollm2_135m-hf")  # its tokenizer files alone suffice here
     smol = smol if os.path.isfile(os.path.join(smol, "tokenizer.json")) else None
     try:
@@ -264,7 +265,7 @@ def load_tokenizer(cfg: Any):
             _hf_source(cfg if src_name == cfg.name else ModelConfig(src_name))
         tok = AutoTokenizer.from_pretrained(src)
     except (ModelSourceError, OSError, ValueError) as e:
-        if getattr(cfg, "init", "pretrained") != "random" or src_name == "smollm2_135m":
+        if cfg.init != "random" or src_name == "smollm2_135m":
             if isinstance(e, ModelSourceError):
                 raise
             raise ModelSourceError(_hub_hint(cfg, e)) from None
@@ -292,8 +293,8 @@ def tokenizer_files(tok: Any) -> dict[str, bytes]:
         return {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
 
 
-def _hub_hint(cfg: Any, e: Exception) -> str:
-    return (f"could not load model {cfg.name!r} from {getattr(cfg, 'path', '') or spec_of(cfg.name).path!r}: "
+def _hub_hint(cfg: ModelConfig, e: Exception) -> str:
+    return (f"could not load model {cfg.name!r} from {cfg.path or spec_of(cfg.name).path!r}: "
             f"{str(e)[:300]}. Without HF hub access, download it elsewhere and set model.path=/local/dir, "
             f"or use model.init=random for a same-shape random model")
 
@@ -335,7 +336,7 @@ def gqa_sdpa() -> str:
     return GQA_SDPA
 
 
-def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
+def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32):
     """The causal LM named by ``cfg`` (a :class:`ModelConfig`), in ``dtype``, in eval mode, with
     :func:`sdpa_gqa_attention`.
 
@@ -346,7 +347,7 @@ def load_model(cfg: Any, dtype: torch.dtype = torch.float32):
 
     attn = gqa_sdpa()
     spec = spec_of(cfg.name)
-    if cfg.init == "random" or (spec.config is not None and not getattr(cfg, "path", "")):
+    if cfg.init == "random" or (spec.config is not None and not cfg.path):
         arch = spec.config or hf_config_dict(cfg.name)  # a test model's config, else the registry's
         conf = AutoConfig.for_model(**{k: v for k, v in arch.items() if k != "architectures"})
         torch.manual_seed(cfg.seed)

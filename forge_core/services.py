@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -30,7 +31,11 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from forge_core.config import GeneratorConfig, TrainerConfig, WeightSyncConfig, to_dataclass
 from forge_core.layout import Plan, Slot, plan_layout
+from forge_core.losses import LossConfig
+from forge_core.models import ModelConfig
+from forge_core.rewards import RewardConfig
 
 ROLES = {
     "generator": ("forge_core.actors.generator:Generator", "forge_core.actors.vllm_generator:VllmGenerator"),
@@ -228,27 +233,28 @@ def eval_max_tokens(cfg: DictConfig) -> int:
     return cfg.eval.max_response_tokens or cfg.generator.max_response_tokens
 
 
-def _section(cfg: DictConfig, key: str) -> dict:
-    return OmegaConf.to_container(cfg[key], resolve=True)
-
-
 def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int = 0, addr: str = "127.0.0.1",
                  name: str = "", dtype: Optional[str] = None) -> dict:
-    """The constructor arguments of ``role``'s actor: its own config section plus named fields;
+    """The constructor arguments of ``role``'s actor: its own config sections as their schema dataclasses
+    (:func:`forge_core.config.to_dataclass`: ``model`` a :class:`~forge_core.models.ModelConfig`,
+    ``generator`` a :class:`~forge_core.config.GeneratorConfig`, ``trainer`` a
+    :class:`~forge_core.config.TrainerConfig`, ``loss`` its loss's :class:`~forge_core.losses.LossConfig`
+    subclass, ...; ``env`` stays a dict, what an environment's constructor is given) plus named fields;
     ``dtype`` (a respawn's) replaces ``generator.dtype`` for the generator and the reference."""
     if role == "reward":
-        return {"reward_cfg": _section(cfg, "reward")}
+        return {"reward_cfg": to_dataclass(cfg.reward, RewardConfig)}
     if role == "replay_buffer":
         return {"capacity": cfg.buffer_capacity, "max_staleness": cfg.max_staleness,
                 "oldest_version_first": cfg.rollout.mode == "continuous"}
     gpu = cfg.device == "cuda"
     kw = dict(seed=cfg.seed, threads=max(cfg.threads_per_actor, 4) if gpu else cfg.threads_per_actor,
-              model=_section(cfg, "model"),
+              model=to_dataclass(cfg.model, ModelConfig),
               **({"gpus": list(slot.gpus), "per_node": plan.gpus_per_node} if gpu else {"cores_dir": cores_dir()}))
     if role == "generator":
-        kw.update(generator=dict(_section(cfg, "generator"), dtype=dtype or cfg.generator.dtype),
+        kw.update(generator=dataclasses.replace(to_dataclass(cfg.generator, GeneratorConfig),
+                                                dtype=dtype or cfg.generator.dtype),
                   system_prompt=cfg.data.system_prompt, replica=name, stop_after_answer=cfg.reward.fn == "gsm8k",
-                  env=_section(cfg, "env"))
+                  env=OmegaConf.to_container(cfg.env, resolve=True))
         if gpu:
             g = cfg.generator
             kw.update(colocated=slot.host == plan.trainer.host and bool(set(slot.gpus) & set(plan.trainer.gpus)),
@@ -258,9 +264,9 @@ def actor_kwargs(cfg: DictConfig, role: str, slot: Slot, plan: Plan, port: int =
     kw.update(device=cfg.device, temperature=cfg.generator.temperature, port=port,
               seq_len=cfg.generator.max_prompt_tokens + cfg.generator.max_response_tokens)
     if role == "trainer":
-        return dict(kw, trainer=_section(cfg, "trainer"), loss=_section(cfg, "loss"), publish_dtype=cfg.generator.dtype,
-                    max_response_tokens=cfg.generator.max_response_tokens, addr=addr,
-                    weight_sync=_section(cfg, "weight_sync"), shared_gb=_shared_gb(cfg, plan),
+        return dict(kw, trainer=to_dataclass(cfg.trainer, TrainerConfig), loss=to_dataclass(cfg.loss, LossConfig),
+                    publish_dtype=cfg.generator.dtype, max_response_tokens=cfg.generator.max_response_tokens, addr=addr,
+                    weight_sync=to_dataclass(cfg.weight_sync, WeightSyncConfig), shared_gb=_shared_gb(cfg, plan),
                     shared_frac=cfg.generator.gpu_memory_utilization if plan.colocated and not cfg.generator.sleep_level
                     else 0.0)
     t = cfg.trainer  # the reference
@@ -323,7 +329,8 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
             raise
     if role == "generator":
         from forge_core.actors.weight_receiver import WeightReceiver
-        svc.receiver = procs.spawn(f"receiver_{name}", WeightReceiver, name, cfg.device, _section(cfg, "weight_sync"))
+        svc.receiver = procs.spawn(f"receiver_{name}", WeightReceiver, name, cfg.device,
+                                   to_dataclass(cfg.weight_sync, WeightSyncConfig))
     return svc
 
 

@@ -1,5 +1,6 @@
 """Recipe composition: deltas over the base schema, overrides, loss selection, strict keys, fail-fast recipes."""
 
+import dataclasses
 import glob
 import os
 import re
@@ -297,3 +298,23 @@ def test_gated_check_takes_either_token_name():
 def test_unknown_key_fails_before_actors():
     r = _cli("run", "smollm2_135m", "trainer.lrr=1")
     assert r.returncode == 2 and "trainer.lrr" in r.stderr and "Monarch" not in r.stdout + r.stderr
+
+
+def test_to_dataclass_takes_defaults_from_the_dataclass_and_names_a_bad_key():
+    """``to_dataclass``: a key the section leaves out takes the dataclass's default; a loss section
+    becomes its own loss's subclass; an unknown key, a value of the wrong type or an unknown loss is a
+    ConfigError naming it."""
+    from forge_core.config import TrainerConfig, to_dataclass
+    from forge_core.losses import DAPOLossConfig, LossConfig
+
+    assert to_dataclass({}, TrainerConfig) == TrainerConfig()
+    assert to_dataclass({"lr": 2, "lora": {"rank": 8}}, TrainerConfig) == \
+        dataclasses.replace(TrainerConfig(lr=2.0), lora=dataclasses.replace(TrainerConfig().lora, rank=8))
+    cfg = load_config("smollm2_135m", ["loss=dapo", "loss.clip_high=0.3"])
+    assert to_dataclass(cfg.loss, LossConfig) == DAPOLossConfig(clip_high=0.3)
+    for bad, says in (({"lrr": 1}, "TrainerConfig.lrr"), ({"lr": "fast"}, "TrainerConfig.lr"),
+                      ({"lora": {"rank": "x"}}, "TrainerConfig.lora.rank")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            to_dataclass(bad, TrainerConfig)
+    with pytest.raises(ConfigError, match="loss.name='ppo'"):
+        to_dataclass({"name": "ppo"}, LossConfig)

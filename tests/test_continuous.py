@@ -176,15 +176,16 @@ def test_vllm_generator_advance_tags_groups_with_their_submission_version():
     the prefix cache left alone) come back tagged 0; groups submitted after the load are tagged 1;
     a held-out evaluation meanwhile gets its own outputs; without continuous mode advance refuses."""
     from forge_core.actors.vllm_generator import EngineStream, VllmGenerator
+    from forge_core.config import GeneratorConfig, to_dataclass
     from forge_core.models import ModelConfig, load_tokenizer
     from forge_core.weight_sync import WeightHandle
-    from omegaconf import OmegaConf
 
     cfg = load_config("smollm2_135m", TINY)
     g = object.__new__(VllmGenerator)  # no engine: the stand-in's
-    g.g, g.name, g.system_prompt, g.env, g.version = cfg.generator, "generator", "", None, 0
+    g.g = to_dataclass(cfg.generator, GeneratorConfig)
+    g.name, g.system_prompt, g.env, g.version = "generator", "", None, 0
     g.sleeps, g.awake = False, {"weights", "kv_cache"}
-    g.tok = load_tokenizer(ModelConfig(**OmegaConf.to_container(cfg.model)))
+    g.tok = load_tokenizer(to_dataclass(cfg.model, ModelConfig))
     g.quantized, g.bucket_bytes = False, 1 << 20
     g.llm, g.lock = _Llm(steps=40), asyncio.Lock()
     g.stream = EngineStream(g.llm, g.lock)

@@ -52,7 +52,7 @@ def test_gpu_config_validation():
     low = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0", "trainer.mps_client_priority=1"])
     lplan = plan_layout(low)  # both the trainer's and the reference's processes get it
     assert actor_kwargs(low, "reference", lplan.trainer, lplan)["mps_priority"] == 1
-    assert actor_kwargs(low, "trainer", lplan.trainer, lplan)["trainer"]["mps_client_priority"] == 1
+    assert actor_kwargs(low, "trainer", lplan.trainer, lplan)["trainer"].mps_client_priority == 1
     asleep = load_config("qwen3_1_7b", ["layout.gpus_per_node=1", "max_staleness=0"])
     assert actor_kwargs(asleep, "trainer", plan_layout(asleep).trainer, plan_layout(asleep))["shared_frac"] == 0.0
     with pytest.raises(ConfigError, match="node 0 has 3 GPUs"):

@@ -81,6 +81,9 @@ def test_gpu_actors_pick_their_gpu_before_importing_torchtitan_models(monkeypatc
     import importlib
 
     from forge_core import titan
+    from forge_core.config import TrainerConfig, to_dataclass
+    from forge_core.losses import LossConfig
+    from forge_core.models import ModelConfig
 
     mod_name, name = cls.split(".")
     mod = importlib.import_module(f"forge_core.actors.{mod_name}")
@@ -100,12 +103,13 @@ def test_gpu_actors_pick_their_gpu_before_importing_torchtitan_models(monkeypatc
     monkeypatch.setattr(mod, "init_device", fake_init_device)
     monkeypatch.setattr(titan, "titan_model_args", fake_spec)
     actor = object.__new__(getattr(mod, name))
-    kw = dict(model={"name": "smollm2_135m", "seed": 0}, device="cpu", temperature=1.0, seq_len=64, seed=0, threads=1)
+    kw = dict(model=ModelConfig("smollm2_135m"), device="cpu", temperature=1.0, seq_len=64, seed=0, threads=1)
     if name == "Reference":
         kw.update(dtype="float32", micro_batch_size=1)
     else:
         cfg = load_config("smollm2_135m", [])
-        kw.update(trainer=cfg.trainer, loss=cfg.loss, publish_dtype="float32", max_response_tokens=32)
+        kw.update(trainer=to_dataclass(cfg.trainer, TrainerConfig), loss=to_dataclass(cfg.loss, LossConfig),
+                  publish_dtype="float32", max_response_tokens=32)
     with pytest.raises(Stop):
         type(actor).__init__(actor, **kw)
     assert order == ["init_device", "titan_model_args"]

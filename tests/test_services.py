@@ -62,8 +62,8 @@ def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
     cfg = load_config("smollm2_135m", TINY)
     plan = plan_layout(cfg)
     assert cfg.generator.dtype == "auto"
-    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan)["generator"]["dtype"] == "auto"
-    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan, dtype="float32")["generator"]["dtype"] \
+    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan)["generator"].dtype == "auto"
+    assert services.actor_kwargs(cfg, "generator", plan.generators[0], plan, dtype="float32")["generator"].dtype \
         == "float32"
     assert services.actor_kwargs(cfg, "reference", plan.reference, plan)["dtype"] == "auto"
     assert services.actor_kwargs(cfg, "reference", plan.reference, plan, dtype="bfloat16")["dtype"] == "bfloat16"
@@ -86,3 +86,50 @@ def test_a_respawn_keeps_the_dtype_its_role_resolved(monkeypatch):
     assert spawned == [("generator", "float32"), ("reward", None), ("reference", "bfloat16")]
     assert not any(os.path.exists(m) for m in marks)  # a respawn removes its service's mark
     assert svc.generator.name == "generator" and svc.generator is not old["generator"]
+
+
+def test_actors_get_their_config_sections_as_dataclasses_that_pickle():
+    """Each actor's config sections arrive as their schema dataclasses (typed attributes, one place
+    for each default), survive a pickle round trip (Monarch sends them between processes) and are what
+    the constructed actor holds: the trainer's ``trainer`` a TrainerConfig with its LoRAConfig, its
+    loss its own loss's subclass (Dr. GRPO's horizon filled in from the generation budget, the
+    caller's object left alone)."""
+    import dataclasses
+    import pickle
+
+    from forge_core.actors.reward import RewardActor
+    from forge_core.actors.trainer import Trainer
+    from forge_core.config import GeneratorConfig, TrainerConfig, WeightSyncConfig
+    from forge_core.layout import plan_layout
+    from forge_core.lora import LoRAConfig
+    from forge_core.losses import DrGRPOLossConfig
+    from forge_core.models import ModelConfig
+    from forge_core.rewards import RewardConfig
+    from forge_core.services import actor_kwargs
+
+    cfg = load_config("smollm2_135m", [*TINY, "loss=dr_grpo", "loss.rollout_correction=tis", "trainer.lora.rank=4",
+                                       "weight_sync.bucket_mb=8"])
+    plan = plan_layout(cfg)
+    kws = {role: actor_kwargs(cfg, role, getattr(plan, role, plan.trainer), plan)
+           for role in ("trainer", "reference", "reward")}
+    kws["generator"] = actor_kwargs(cfg, "generator", plan.generators[0], plan, dtype="float32")
+    tr = kws["trainer"]
+    assert type(tr["trainer"]) is TrainerConfig and type(tr["trainer"].lora) is LoRAConfig
+    assert tr["trainer"].lora.rank == 4 and tr["trainer"].lr == 1e-3 and tr["trainer"].betas == [0.9, 0.999]
+    assert type(tr["loss"]) is DrGRPOLossConfig and tr["loss"].rollout_correction == "tis"
+    assert type(tr["weight_sync"]) is WeightSyncConfig and tr["weight_sync"].bucket_mb == 8
+    assert all(type(kw["model"]) is ModelConfig and kw["model"].name == "tiny_llama"
+               for kw in (tr, kws["reference"], kws["generator"]))
+    g = kws["generator"]["generator"]
+    assert type(g) is GeneratorConfig and (g.group_size, g.dtype) == (4, "float32")
+    assert type(kws["reward"]["reward_cfg"]) is RewardConfig and isinstance(kws["generator"]["env"], dict)
+    for kw in kws.values():
+        back = pickle.loads(pickle.dumps(kw))
+        assert back == kw and all(type(back[k]) is type(v) for k, v in kw.items())
+    t = Trainer(**tr)
+    assert t.t == tr["trainer"] and type(t.t) is TrainerConfig and t.lora is t.t.lora
+    assert type(t.loss_cfg) is DrGRPOLossConfig and t.loss_cfg.horizon == cfg.generator.max_response_tokens
+    assert tr["loss"].horizon is None and dataclasses.replace(t.loss_cfg, horizon=None) == tr["loss"]
+    assert t.model_cfg == tr["model"] and (t.sync_timeout_s, t.bucket_bytes) == (300.0, 8 << 20)
+    assert pickle.loads(pickle.dumps(t.t)) == t.t and pickle.loads(pickle.dumps(t.loss_cfg)) == t.loss_cfg
+    assert RewardActor(**kws["reward"]).cfg.fn == cfg.reward.fn

@@ -17,11 +17,12 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_core.actors.process import CoreShare, resolve_dtype, setup_process
+from forge_core.config import GeneratorConfig
 from forge_core.data import Problem, chat_prompt, has_conversation
 from forge_core.episode import Episode
 from forge_core.rewards import ANSWER_LINE_RE
 from forge_core.rollout import Sampled, resolve_tool_format, rollout_episodes, sft_conversation
-from forge_core.models import hf_config_dict, load_model, load_tokenizer, tokenizer_files
+from forge_core.models import ModelConfig, hf_config_dict, load_model, load_tokenizer, tokenizer_files
 from forge_core.weight_sync import RECEIVERS, WeightHandle, digest_of, layout_views, open_ipc
 
 
@@ -195,8 +196,8 @@ class Generator(Actor):
     """Rollout generation on CPU with transformers (``generator.backend=hf``).
 
     Args:
-        generator: the ``generator`` config section.
-        model: the ``model`` config section.
+        generator: the ``generator`` config section (:class:`forge_core.config.GeneratorConfig`).
+        model: the ``model`` config section (:class:`forge_core.models.ModelConfig`).
         system_prompt: the chat system message.
         seed, threads: process seed and torch threads.
         replica: this replica's name (``generator`` or ``generator_<i>``); its staged weights are
@@ -208,21 +209,16 @@ class Generator(Actor):
             episodes are multi-turn (:func:`forge_core.rollout.rollout_episodes`).
     """
 
-    def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
+    def __init__(self, generator: GeneratorConfig, model: ModelConfig, *, system_prompt: str, seed: int, threads: int,
                  replica: str = "generator", cores_dir: str = "", stop_after_answer: bool = False,
                  env: Optional[dict] = None):
-        from omegaconf import OmegaConf
-
-        from forge_core.models import ModelConfig
-
-        self.g = OmegaConf.create(generator)
+        self.g = generator
         self.name, self.system_prompt, self.stop_after_answer = replica, system_prompt, stop_after_answer
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, replica, threads)
-        mc = ModelConfig(**model)
-        self.tok = load_tokenizer(mc)
-        self.dtype = resolve_dtype(self.g.dtype, "cpu", hf_config_dict(mc.name)["hidden_size"], replica)
-        self.model = load_model(mc, dtype=self.dtype)
+        self.tok = load_tokenizer(model)
+        self.dtype = resolve_dtype(self.g.dtype, "cpu", hf_config_dict(model.name)["hidden_size"], replica)
+        self.model = load_model(model, dtype=self.dtype)
         self.flat, self.layout = flatten_parameters(self.model)
         self.version = 0
         self.env = dict(env, tool_format=resolve_tool_format(env["tool_format"], self.tok)) if env and env["fn"] else None

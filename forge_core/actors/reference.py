@@ -29,7 +29,7 @@ class Reference(Actor):
     """Frozen copy of the initial policy.
 
     Args:
-        model: the ``model`` config section (name, seed).
+        model: the ``model`` config section (name, path, init, seed).
         device: ``"cpu"`` or ``"cuda"``.
         dtype: weight dtype (``generator.dtype``; ``auto``: bf16 on GPUs, the faster of bf16 and
             fp32 on this CPU, see :func:`forge_core.actors.process.resolve_dtype`).
@@ -42,7 +42,7 @@ class Reference(Actor):
         mps_priority: ``trainer.mps_client_priority`` (1: below normal under CUDA MPS).
     """
 
-    def __init__(self, model: dict, *, device: str, dtype: str, temperature: float, micro_batch_size: int,
+    def __init__(self, model: ModelConfig, *, device: str, dtype: str, temperature: float, micro_batch_size: int,
                  seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0, port: int = 0,
                  tokens_per_micro_batch: int = 0, logprob_chunk: int = 1024, compile: bool = False,
                  cores_dir: str = "", mps_priority: int = 0):
@@ -52,13 +52,13 @@ class Reference(Actor):
         self.rank = current_rank().rank if self.world > 1 else 0
         # first: importing TorchTitan's models starts CUDA, which then ignores CUDA_VISIBLE_DEVICES
         self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port, mps_priority)
-        self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
-        self.model_cfg = dict(model)
+        self.spec = titan.titan_model_args(model.name, max_seq_len=max(4096, seq_len))
+        self.model_cfg = model
         self.dtype = resolve_dtype(dtype, device, self.spec.hf["hidden_size"], "reference")
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.budget, self.chunk = tokens_per_micro_batch, logprob_chunk
         par = titan.parallelize_fn(self.spec, self.world, 1, False, seq_len, compile and device == "cuda")  # or None
-        self.model = titan.build_model(self.spec, self.device, model["seed"], par, dtype=self.dtype,
+        self.model = titan.build_model(self.spec, self.device, model.seed, par, dtype=self.dtype,
                                        packed=self.budget > 0)
         self.model.requires_grad_(False)
         self.model.eval()
@@ -113,11 +113,11 @@ class Reference(Actor):
         reference, while the trainer has moved on): the pretrained weights cast to this dtype, or
         the same seeded random init in fp32, cast. Returns :meth:`digest`; the caller compares it
         with the digest of the original version 0 (a sharded random init is not reproduced)."""
-        src = pretrained_dir(ModelConfig(**self.model_cfg))
+        src = pretrained_dir(self.model_cfg)
         if src:
             titan.load_hf_dir(self.model, self.spec, src)
         else:
-            fp32 = titan.build_model(self.spec, self.device, self.model_cfg["seed"])
+            fp32 = titan.build_model(self.spec, self.device, self.model_cfg.seed)
             titan.load_hf_state_dict(self.model, self.spec,
                                      dict(titan.named_hf_tensors(fp32, self.spec, dtype=self.dtype)))
             del fp32

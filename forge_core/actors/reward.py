@@ -15,12 +15,14 @@ class RewardActor(Actor):
     ``reward.fn`` (:func:`forge_core.rewards.load_reward_fn`) on its (last) response, plus an ``env``
     component in a multi-turn episode: the rewards its environment gave.
 
+    ``reward_cfg``: the ``reward`` config section.
+
     Raises:
         RewardError: ``reward.fn`` cannot be loaded (names it).
     """
 
-    def __init__(self, reward_cfg: dict):
-        self.cfg = RewardConfig(**reward_cfg)
+    def __init__(self, reward_cfg: RewardConfig):
+        self.cfg = reward_cfg
         self.fn = load_reward_fn(self.cfg)
 
     @endpoint

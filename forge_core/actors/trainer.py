@@ -22,6 +22,7 @@ non-finite loss or gradient norm skips the optimizer step, leaving weights and A
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -33,14 +34,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint
-from omegaconf import OmegaConf
 from safetensors.torch import load_file, save as safetensors_bytes
 
 from forge_core import lora as lora_mod
 from forge_core import memory, titan
 from forge_core.actors.process import CoreShare, init_device, resolve_dtype, setup_process
+from forge_core.config import TrainerConfig, WeightSyncConfig
 from forge_core.episode import Episode, collate
-from forge_core.losses import compute_loss
+from forge_core.losses import LossConfig, compute_loss
 from forge_core.models import ModelConfig, hf_config_dict, pretrained_dir
 from forge_core.packing import pack_batch, pack_episodes, packed_response_logprobs
 from forge_core.weight_sync import Sender, StagingBuffer, WeightHandle
@@ -135,9 +136,10 @@ class Trainer(Actor):
     """The policy and its optimizer (see the module docstring).
 
     Args:
-        trainer: the ``trainer`` config section (lr, betas, micro_batch_size, compute_dtype, tp, ...).
+        trainer: the ``trainer`` config section (lr, betas, micro_batch_size, compute_dtype, tp, ``lora``, ...).
         model: the ``model`` config section (name, path, init, seed).
-        loss: the ``loss`` config section.
+        loss: the ``loss`` config section, its loss's own subclass (e.g. ``GRPOLossConfig``).
+        (Each section as its dataclass: :func:`forge_core.config.to_dataclass`.)
         device: ``"cpu"`` or ``"cuda"``.
         publish_dtype: the receivers' weight dtype by default (``generator.dtype``; ``auto``:
             resolved here as a receiver on this host would; the controller passes each receiver's
@@ -149,7 +151,7 @@ class Trainer(Actor):
         gpus, per_node: physical GPU indices of this node, one per rank (CUDA); GPUs on this node.
         port: ``torch.distributed`` rendezvous port of the ranks (several GPUs).
         addr: this host's address as the generators' hosts reach it (nccl weight transfer).
-        weight_sync: the ``weight_sync`` config section (bucket size, timeout).
+        weight_sync: the ``weight_sync`` config section (bucket size, timeout; None: its defaults).
         shared_gb: GPU memory (GB) others hold on this rank's GPU (a reference sharing it, a
             sleeping colocated engine), for the activation-checkpointing estimate.
         shared_frac: fraction of this GPU's memory a colocated engine that never sleeps keeps
@@ -157,13 +159,13 @@ class Trainer(Actor):
         cores_dir: with ``threads`` 0, the run's :class:`~forge_core.actors.process.CoreShare` directory.
     """
 
-    def __init__(self, trainer: dict, model: dict, loss: dict, *, device: str, publish_dtype: str, temperature: float,
-                 max_response_tokens: int, seq_len: int, seed: int, threads: int, gpus: list = (), per_node: int = 0,
-                 port: int = 0, addr: str = "127.0.0.1", weight_sync: Optional[dict] = None, shared_gb: float = 0.0,
-                 shared_frac: float = 0.0, cores_dir: str = ""):
-        self.t = OmegaConf.create(trainer)
-        self.lora = lora_mod.LoRAConfig(**OmegaConf.to_container(self.t.lora)) if "lora" in self.t else \
-            lora_mod.LoRAConfig()
+    def __init__(self, trainer: TrainerConfig, model: ModelConfig, loss: LossConfig, *, device: str, publish_dtype: str,
+                 temperature: float, max_response_tokens: int, seq_len: int, seed: int, threads: int, gpus: list = (),
+                 per_node: int = 0, port: int = 0, addr: str = "127.0.0.1",
+                 weight_sync: Optional[WeightSyncConfig] = None, shared_gb: float = 0.0, shared_frac: float = 0.0,
+                 cores_dir: str = ""):
+        self.t = trainer
+        self.lora = trainer.lora
         setup_process(threads, seed)
         self.cores = CoreShare(cores_dir, "trainer", threads)
         self.world = max(len(gpus), 1)
@@ -171,8 +173,8 @@ class Trainer(Actor):
         self.device = init_device(device, list(gpus), per_node, self.rank, self.world, port,
                                   self.t.mps_client_priority)
         self.temperature = temperature
-        self.model_name = model["name"]
-        self.spec = titan.titan_model_args(model["name"], max_seq_len=max(4096, seq_len))
+        self.model_name = model.name
+        self.spec = titan.titan_model_args(model.name, max_seq_len=max(4096, seq_len))
         self.budget = int(self.t.tokens_per_micro_batch)
         hidden = self.spec.hf["hidden_size"]
         self.publish_dtype = str(resolve_dtype(publish_dtype, device, hidden, "trainer")).removeprefix("torch.")
@@ -180,11 +182,11 @@ class Trainer(Actor):
         self.ac = self._activation_checkpointing(seq_len, shared_gb, shared_frac)
         par = titan.parallelize_fn(self.spec, self.world, self.t.tp, self.ac, seq_len,
                                    self.t.compile) if device == "cuda" else None
-        self.model = titan.build_model(self.spec, self.device, model["seed"], par, packed=self.budget > 0,
+        self.model = titan.build_model(self.spec, self.device, model.seed, par, packed=self.budget > 0,
                                        lora=self.lora if self.lora.rank else None,
                                        dtype=self.compute if self.lora.rank else torch.float32)  # LoRA: the frozen base
-        self.model_cfg = dict(model)
-        self.src = pretrained_dir(ModelConfig(**model))
+        self.model_cfg = model
+        self.src = pretrained_dir(model)
         if self.src:
             titan.load_hf_dir(self.model, self.spec, self.src)
         self.model.train()
@@ -198,14 +200,13 @@ class Trainer(Actor):
         self.staging: dict[str, StagingBuffer] = {}  # per published dtype, on rank 0
         self.last_dtype = self.publish_dtype  # of the last publish (weights_digest's default)
         self.sender: Optional[Sender] = None
-        ws = weight_sync or {}
-        self.addr, self.sync_timeout_s = addr, float(ws.get("timeout_s", 300.0))
-        self.bucket_bytes = int(ws.get("bucket_mb", 1024)) << 20
+        ws = weight_sync or WeightSyncConfig()
+        self.addr, self.sync_timeout_s = addr, float(ws.timeout_s)
+        self.bucket_bytes = int(ws.bucket_mb) << 20
         self.version = 0
-        loss = dict(loss)
-        if loss["aggregation"] == "fixed_horizon" and loss.get("horizon") is None:
-            loss["horizon"] = max_response_tokens  # Dr. GRPO: the generation budget
-        self.loss_cfg = OmegaConf.create(loss)
+        if loss.aggregation == "fixed_horizon" and loss.horizon is None:
+            loss = dataclasses.replace(loss, horizon=max_response_tokens)  # Dr. GRPO: the generation budget
+        self.loss_cfg = loss
         self.autocast = self.compute == torch.bfloat16 and self.world == 1
         self.compile_s = self._warm_up() if self.t.compile and self.device.type == "cuda" else 0.0
         self.writer: Optional[FileWriter] = None  # a checkpoint's files being written in the background
@@ -473,7 +474,7 @@ class Trainer(Actor):
             del sd
         info = {"version": self.version, "world": self.world}
         if lora_on:  # every rank gathers (collectives), rank 0 writes
-            info.update(lora=lora_mod.meta(self.lora), base=self.model_cfg)
+            info.update(lora=lora_mod.meta(self.lora), base=dataclasses.asdict(self.model_cfg))
             if optimizer:
                 adapters = lora_mod.adapter_state(self.model)
                 if self.rank == 0:
@@ -578,7 +579,8 @@ class Trainer(Actor):
             raise ValueError(f"checkpoint {path} was trained with other LoRA settings: {'; '.join(bad)}: resume with "
                              f"the checkpoint's, or start a new run (another run_id)")
         base = info.get("base", {})
-        if diff := [f"model.{k}={base.get(k)!r} (this run: {v!r})" for k, v in self.model_cfg.items() if base.get(k) != v]:
+        mine = dataclasses.asdict(self.model_cfg)
+        if diff := [f"model.{k}={base.get(k)!r} (this run: {v!r})" for k, v in mine.items() if base.get(k) != v]:
             raise ValueError(f"checkpoint {path} holds LoRA adapters of another base model: {'; '.join(diff)}: the "
                              f"adapters only make sense on their own base; resume with its model settings")
 

@@ -37,13 +37,17 @@ import os
 import tempfile
 import time
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from monarch.actor import Actor, endpoint
 
 from forge_core.data import Problem, chat_prompt
 from forge_core.episode import Episode
 from forge_core.weight_sync import WeightHandle
+
+if TYPE_CHECKING:  # annotations only: the module imports the rest of forge_core where it is used
+    from forge_core.config import GeneratorConfig
+    from forge_core.models import ModelConfig
 
 
 def vllm_model_dir(model_name: str, max_len: int) -> str:
@@ -79,7 +83,7 @@ def make_engine(g, model_name: str, max_len: int, *, tp: int = 1, seed: int = 0,
         ValueError: ``generator.quantization`` set on a GPU without FP8 tensor cores (names the GPU)."""
     from vllm import LLM
 
-    quantized = g.get("quantization", "none") != "none"
+    quantized = g.quantization != "none"
     if quantized:
         import torch
 
@@ -373,17 +377,15 @@ class VllmGenerator(Actor):
             :meth:`advance` (see the module docstring).
     """
 
-    def __init__(self, generator: dict, model: dict, *, system_prompt: str, seed: int, threads: int,
+    def __init__(self, generator: GeneratorConfig, model: ModelConfig, *, system_prompt: str, seed: int, threads: int,
                  replica: str = "generator", gpus: Optional[list] = None, colocated: bool = False, per_node: int = 0,
                  bucket_mb: int = 1024, max_model_len: int = 0, stop_after_answer: bool = False,
                  env: Optional[dict] = None, continuous: bool = False):
-        from omegaconf import OmegaConf
-
         from forge_core.actors.process import setup_process
         from forge_core.layout import visible_devices
 
-        g = self.g = OmegaConf.create(generator)
-        self.model_name, self.name, self.system_prompt, self.seed = model["name"], replica, system_prompt, seed
+        g = self.g = generator
+        self.model_name, self.name, self.system_prompt, self.seed = model.name, replica, system_prompt, seed
         self.tp = max(len(gpus or [0]), 1)
         if gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, per_node)
@@ -395,10 +397,10 @@ class VllmGenerator(Actor):
         home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")  # where Triton's own default cache lies
         os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
         setup_process(max(threads, 4), seed)
-        from forge_core.models import ModelConfig, hf_config_dict, load_tokenizer
+        from forge_core.models import hf_config_dict, load_tokenizer
 
         self.hf = hf_config_dict(self.model_name)
-        self.tok = load_tokenizer(ModelConfig(**model))
+        self.tok = load_tokenizer(model)
         self.eos = self.tok.eos_token_id
         from forge_core.rollout import resolve_tool_format
         self.env = dict(env, tool_format=resolve_tool_format(env["tool_format"], self.tok)) if env and env["fn"] else None
@@ -406,7 +408,7 @@ class VllmGenerator(Actor):
         self.max_len = max(max_model_len, g.max_prompt_tokens + g.max_response_tokens)
         t0 = time.perf_counter()
         self.dtype = "bfloat16" if g.dtype == "auto" else g.dtype
-        self.quantized = g.get("quantization", "none") != "none"
+        self.quantized = g.quantization != "none"
         self.llm = make_engine(g, self.model_name, self.max_len, tp=self.tp, seed=seed, sleep_mode=self.sleeps,
                                prefix_caching=not continuous)
         self.startup_s = time.perf_counter() - t0

@@ -4,9 +4,14 @@ one at a time). See :mod:`forge_core.weight_sync`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from monarch.actor import Actor, endpoint
 
 from forge_core.weight_sync import Receiver, WeightHandle
+
+if TYPE_CHECKING:
+    from forge_core.config import WeightSyncConfig
 
 
 class WeightReceiver(Actor):
@@ -18,10 +23,10 @@ class WeightReceiver(Actor):
         weight_sync: the ``weight_sync`` config section (bucket size, timeout).
     """
 
-    def __init__(self, name: str, device: str, weight_sync: dict):
+    def __init__(self, name: str, device: str, weight_sync: WeightSyncConfig):
         self.receiver = Receiver(name, "cuda:0" if device == "cuda" else "cpu")
-        self.timeout_s = float(weight_sync["timeout_s"])
-        self.bucket_bytes = int(weight_sync["bucket_mb"]) << 20
+        self.timeout_s = float(weight_sync.timeout_s)
+        self.bucket_bytes = int(weight_sync.bucket_mb) << 20
 
     @endpoint
     async def fetch(self, handle: WeightHandle, transport: str, rank: int = 0) -> dict:
