@@ -118,17 +118,6 @@ def shared_fixture_users(path: str) -> frozenset:
     return frozenset(f.name for f in funcs if f.name.startswith("test") and params[f.name] & shared)
 
 
-def pytest_collection_modifyitems(config, items):
-    """``--dist loadgroup``: the modules that hold slow tests (``@pytest.mark.slow``: end-to-end runs,
-    chaos, clusters) go first, each module's tests in their own order. The scheduler hands out units of
-    work in collection order as workers free up, so the long ones start early and the short ones fill
-    the end (longest first), instead of one worker finishing a long test alone."""
-    if config.getvalue("dist") != "loadgroup":
-        return
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
-
-
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup``: xdist's load-scope scheduling with every test its own unit of work but
     the machine-wide modules' tests, which are one (the largest unit, so it starts first), and the
