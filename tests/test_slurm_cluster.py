@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from forge_core import checkpoint as ckpt
 from helpers import PY, ROOT, TINY_LAUNCHER, child_env, live_rows
 
 DEV = ROOT / "cluster" / "dev"
@@ -54,6 +55,7 @@ if os.environ.get("SLURM_NODEID") == "1" and "submitit.core._submit" in sys.orig
 TINY = [*TINY_LAUNCHER, "steps=12", "checkpoint.every=3", "checkpoint.keep=10", "layout.generator.host=1"]
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 FIGURES: dict = {}
+SUBMITTED: list[str] = []  # job ids this module submitted; a test's leftovers are cancelled after it
 
 
 def _cluster_is_up() -> bool:
@@ -99,8 +101,21 @@ def _submit(work: Path, name: str, *args: str, **env: str) -> dict:
                        text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     rec = json.loads((work / "last_job.json").read_text())
+    SUBMITTED.append(rec["job_id"])
     assert f"submitted job {rec['job_id']}" in p.stdout and rec["log_out"] in p.stdout
     return {**rec, "stdout": p.stdout}
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs():
+    """After each test, ``scancel`` the jobs it submitted that are still active and wait for them to
+    end: a failed assertion must not leave a job holding the nodes' Monarch port for the next test."""
+    n = len(SUBMITTED)
+    yield
+    left = [j for j in SUBMITTED[n:] if _show(j).get("JobState") in ACTIVE]
+    if left:
+        subprocess.run(["scancel", *left], check=False, timeout=20)
+        _wait(lambda: all(_show(j).get("JobState") not in ACTIVE for j in left), 120, f"jobs {left} to end", 0.5)
 
 
 def _show(jid: str) -> dict:
@@ -230,7 +245,10 @@ def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, wo
     rec = _submit(work, "requeue", *TINY)
     jid, run = rec["job_id"], Path(rec["run_dir"])
     metrics = run / "metrics.jsonl"
-    _wait(lambda: len(live_rows(str(run))) >= 4, 240, "step 4 before the interrupt")
+    # step 4 logged and the step-3 checkpoint committed (it is written in the background: on a busy
+    # machine step 4 can come first, and a checkpoint still being written is lost to the interrupt)
+    _wait(lambda: len(live_rows(str(run))) >= 4 and ckpt.complete(str(run / "checkpoints")), 240,
+          "step 4 and a committed checkpoint before the interrupt")
     ino = metrics.stat().st_ino
     t_int = time.time()
     # submitit's interrupt helper: SIGTERM + USR2, what a preemption looks like -> checkpoint() + requeue
@@ -245,7 +263,7 @@ def test_requeue_resumes_from_checkpoint_with_identical_batches(two_node_run, wo
     subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True, timeout=20)
     _wait(lambda: _show(jid).get("JobState") == "RUNNING", 120, "the requeued job to start", 0.2)
     t_restart = time.time()
-    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+    ckpts = [Path(p).name for p in ckpt.complete(str(run / "checkpoints"))]
     resumed_from = int(ckpts[-1].split("_")[1])
     assert 3 <= resumed_from < 12, ckpts
 
