@@ -356,12 +356,19 @@ class Controller(RolloutLoop, Supervision):
                 if batch is not None:
                     self.changed.notify_all()
                     return batch
-                if not self.rollouts_in_flight and not self.refills and self.batches_made >= self._batches_wanted():
-                    self.lost_batches += 1  # nothing on the way, and the buffer evicted (part of) a batch
+                if self._nothing_on_the_way():
+                    self.lost_batches += 1  # and the buffer evicted (part of) a batch: one more is made
                 self.changed.notify_all()
-                await self.changed.wait_for(lambda: self.buffered >= self.B or self.background_error is not None)
+                # woken when a batch may be there, or when the last rollout on the way has come in short
+                # of one (the buffer evicted a stale group): then the check above asks for another batch
+                await self.changed.wait_for(lambda: self.buffered >= self.B or self.background_error is not None
+                                            or self._nothing_on_the_way())
             if self.background_error is not None:
                 raise self.background_error
+
+    def _nothing_on_the_way(self) -> bool:
+        """No rollout in flight, no group owed to a batch and every wanted batch made."""
+        return not self.rollouts_in_flight and not self.refills and self.batches_made >= self._batches_wanted()
 
     def _batches_wanted(self) -> int:
         """Rollout batches the run trains on: one per step, plus the ones skipped or lost."""

@@ -6,7 +6,6 @@ and one real CPU run through every actor in which no trained episode exceeds ``m
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import time
 from types import SimpleNamespace
@@ -16,12 +15,12 @@ import pytest
 from forge_core import checkpoint
 from forge_core.actors.replay_buffer import ReplayBuffer
 from forge_core.config import ConfigError, load_config
-from forge_core.controller import Controller, Dispatcher
+from forge_core.controller import Controller
 from forge_core.data import PromptSource, load_gsm8k
 from forge_core.episode import Episode
 from forge_core.services import ActorFailed
 from helpers import TINY, TINY_MODEL
-from test_controller import _Ep  # the stand-in services' endpoint
+from test_controller import _Ep, stand_in_services
 
 # stand-in services: groups of 2, a 1 s deadline per call, no respawn
 STANDIN = [*TINY_MODEL, "generator.group_size=2", "fault.call_timeout_s=1", "fault.timeout_per_token_s=0",
@@ -258,65 +257,10 @@ def _controller(tmp_path, overrides, *, replicas=1, calls=lambda line: 1, lose=N
 
         return svc(f"generator_{r}" if replicas > 1 else "generator", advance=advance, update_weights=update_weights)
 
-    async def score(eps):
-        for i, e in enumerate(eps):
-            e.reward = reward(e, i) if reward else float(i % 2)
-        return eps, None
-
-    async def train_step(eps):
-        ctl.trained.append((version[0], eps))
-        version[0] += 1
-        return {"skipped": 0.0, "version": version[0], "loss": 0.0, "clip_frac": 0.0, "grad_norm": 1.0, "train_s": 0.0}
-
-    async def add(eps):
-        buf.add(eps)
-        return len(buf)
-
-    async def publish(*_):
-        return SimpleNamespace(version=version[0], nbytes=1)
-
-    async def save(path, with_optimizer, dtype="float32", background=False):
-        if with_optimizer:  # a checkpoint (not final/)
-            ctl.in_flight_at_save.append(ctl.rollouts_in_flight + len(ctl.live))
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "version"), "w") as f:
-            f.write(str(version[0]))
-        return 1
-
-    async def saved():
-        return 0.0
-
-    async def load_ckpt(path):
-        with open(os.path.join(path, "version")) as f:
-            version[0] = int(f.read())
-        return version[0]
-
-    async def state():
-        return list(buf.items)
-
-    async def restore(eps):  # the buffer's contents replaced by the checkpoint's
-        buf.items = collections.deque(eps)
-
-    async def nothing(*_):
-        return None
-
     gens = [replica(r) for r in range(replicas)]
-    parts = dict(generators=gens, reward=svc("reward", score=score),
-                 reference=svc("reference", logprobs=lambda eps: asyncio.sleep(0, ([[0.0]] * len(eps), 0.0))),
-                 trainer=svc("trainer", train_step=train_step, publish=publish, save=save, saved=saved, load=load_ckpt),
-                 buffer=svc("replay_buffer", add=add, sample=lambda n, s: asyncio.sleep(0, buf.sample(n, s)),
-                            num_episodes=lambda: asyncio.sleep(0, len(buf)), state=state, restore=restore))
-    ctl.svc = SimpleNamespace(**parts, generator=gens[0], all=lambda: [*gens, *list(parts.values())[1:]],
-                              respawn=nothing, write_placement=lambda path: None, dtypes={"generator": "float32"})
-    ctl.source = PromptSource(load_gsm8k("train", os.environ["GSM8K_DIR"]), 0)
-
-    async def start():
-        ctl.routes, ctl.versions, ctl.dispatcher = [("ipc", 0)] * replicas, [0] * replicas, Dispatcher(replicas)
-        if cfg.resume and (ckpt := checkpoint.resume_point(ctl.ckpt_root)):
-            await ctl.restore(ckpt)
-        await ctl.publish_and_sync()
-
-    ctl.start = start
+    stand_in_services(ctl, cfg, gens, buf, version, reward=reward, record=lambda v, eps: (v, eps),
+                      on_save=lambda with_optimizer: with_optimizer and ctl.in_flight_at_save.append(
+                          ctl.rollouts_in_flight + len(ctl.live)))  # at a checkpoint (not final/)
     return ctl
 
 
@@ -354,6 +298,24 @@ def test_no_trained_episode_exceeds_max_staleness_with_groups_of_uneven_length(t
     assert ctl.buffer.stats()["evicted_stale"] > 0  # the slow groups came too late, and were not trained
     trained = {e.prompt_id for _, eps in ctl.trained for e in eps}
     assert len(trained) * ctl.cfg.generator.group_size == sum(len(eps) for _, eps in ctl.trained)  # none twice
+
+
+def test_a_step_whose_last_group_on_the_way_is_too_stale_gets_another_batch(tmp_path):
+    """Groups held for these numbers of advance calls, in the order they are drawn: at step 7 the
+    buffer holds one group, and the last group on the way comes in beyond max_staleness and is
+    evicted. The training loop must then ask for one more batch; it used to wait for a batch that
+    nothing was making, for ever."""
+    held = [3, 3, 2, 1, 2, 12, 1, 2, 3, 12, 12, 3, 12, 12, 3, 12]
+    drawn = iter(range(1000))
+
+    def calls(_line):
+        i = next(drawn)
+        return held[i] if i < len(held) else 1
+
+    ctl = _controller(tmp_path, ["steps=8", "max_staleness=1"], replicas=2, calls=calls)
+    asyncio.run(asyncio.wait_for(ctl._run(0.0), 30))
+    _check_trained(ctl)
+    assert len(ctl.trained) == 8 and ctl.lost_batches >= 1 and ctl.buffer.stats()["evicted_stale"] > 0
 
 
 def test_a_group_a_replica_loses_is_submitted_again(tmp_path):

@@ -63,13 +63,28 @@ def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> 
         loaded[0] = handle.version
         return {"version": handle.version, "sync_s": 0.0, "mode": "ipc"}
 
+    svc = lambda name, **eps: SimpleNamespace(name=name, **{k: _Ep(f) for k, f in eps.items()})  # noqa: E731
+    gen = svc("generator", generate=generate, update_weights=update_weights)
+    stand_in_services(ctl, cfg, [gen], buf, version, reward=reward, sample=sample)
+    return ctl
+
+
+def stand_in_services(ctl: Controller, cfg, gens: list, buf: ReplayBuffer, version: list, *, reward=None, sample=None,
+                      on_save=None, record=lambda version, eps: eps) -> None:
+    """Give ``ctl`` stand-in services around the generator replicas ``gens``: a reward giving
+    ``reward(episode, i)`` (default 0, 1, 0, 1, ...: every group has signal), a reference of zero
+    logprobs, a trainer that only counts versions (``version[0]``), appends ``record(version, batch)``
+    to ``ctl.trained`` and writes checkpoints of just its version (``on_save(with_optimizer)`` first),
+    the replay buffer ``buf`` (``sample`` replaces its ``sample``); and a ``start`` that resumes and
+    syncs the replicas. Shared by the controller, continuous-rollout and recovery tests."""
+
     async def score(eps):
         for i, e in enumerate(eps):
             e.reward = reward(e, i) if reward else float(i % 2)
         return eps, None
 
     async def train_step(eps):
-        ctl.trained.append(eps)
+        ctl.trained.append(record(version[0], eps))
         version[0] += 1
         return {"skipped": 0.0, "version": version[0], "loss": 0.0, "clip_frac": 0.0, "grad_norm": 1.0, "train_s": 0.0}
 
@@ -84,6 +99,8 @@ def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> 
         return None
 
     async def save(path, with_optimizer, dtype="float32", background=False):
+        if on_save:
+            on_save(with_optimizer)
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "version"), "w") as f:
             f.write(str(version[0]))
@@ -100,29 +117,28 @@ def _controller(tmp_path, overrides, *, load=None, sample=None, reward=None) -> 
     async def state():
         return list(buf.items)
 
-    async def restore(eps):
+    async def restore(eps):  # the buffer's contents replaced by the checkpoint's
         buf.items = collections.deque(eps)
 
     svc = lambda name, **eps: SimpleNamespace(name=name, **{k: _Ep(f) for k, f in eps.items()})  # noqa: E731
-    gen = svc("generator", generate=generate, update_weights=update_weights)
-    parts = dict(generators=[gen], reward=svc("reward", score=score),
+    parts = dict(generators=gens, reward=svc("reward", score=score),
                  reference=svc("reference", logprobs=lambda eps: asyncio.sleep(0, ([[0.0]] * len(eps), 0.0))),
                  trainer=svc("trainer", train_step=train_step, publish=publish, save=save, saved=saved, load=load_ckpt),
                  buffer=svc("replay_buffer", add=add, sample=sample or (lambda n, s: asyncio.sleep(0, buf.sample(n, s))),
                             num_episodes=lambda: asyncio.sleep(0, len(buf)), state=state, restore=restore))
-    ctl.svc = SimpleNamespace(**parts, generator=gen, all=lambda: [gen, *list(parts.values())[1:]],
+    ctl.svc = SimpleNamespace(**parts, generator=gens[0], all=lambda: [*gens, *list(parts.values())[1:]],
                               respawn=nothing, write_placement=lambda path: None, dtypes={"generator": "float32"})
     ctl.source = PromptSource(load_gsm8k("train", os.environ["GSM8K_DIR"]), 0)
 
     async def start():
-        ctl.routes, ctl.versions, ctl.dispatcher = [("ipc", 0)], [0], Dispatcher(1)
+        n = len(gens)
+        ctl.routes, ctl.versions, ctl.dispatcher = [("ipc", 0)] * n, [0] * n, Dispatcher(n)
         if cfg.resume and (ckpt := checkpoint.resume_point(ctl.ckpt_root)):
             await ctl.restore(ckpt)
         await ctl.publish_and_sync()
         ctl.started = True
 
     ctl.start = start
-    return ctl
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
