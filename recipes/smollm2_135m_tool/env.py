@@ -12,17 +12,13 @@ from forge_core.environment import ToolEnv
 
 class MultiplyEnv(ToolEnv):
     """:class:`ToolEnv` with ``env.tools`` (the calculator); a step whose tool calls all ran without
-    error, the first such step of the episode, earns ``CALL_REWARD``. The tools are not described in
-    the prompt (``tools`` is None): every question shows the call to write, and SmolLM2's template
-    would otherwise get the hermes description in a system turn, 180 of an episode's 310 tokens,
-    which a 2-core CPU pays for in every forward and backward pass."""
+    error, the first such step of the episode, earns ``CALL_REWARD``."""
 
     CALL_REWARD = 0.2
 
     def __init__(self, env_config=None, extras=None):
         super().__init__(env_config, extras)
         self.rewarded = False
-        self.tools = None  # the calls are still parsed and run: ToolEnv keeps its tools in self.fns
 
     def step(self, action: str):
         """The tool environment's step, with the call reward added (see the class docstring)."""
