@@ -133,7 +133,8 @@ class MetricsLog:
     has no duplicates. ``wandb_cfg``: ``{"project", "mode"}``, mode ``disabled`` (default) skips
     wandb entirely; ``run_name``: the wandb run name / id (resumes the same wandb run); ``config``:
     the resolved config, stored with the wandb run. wandb's own files go in ``wandb/`` beside ``path``
-    (the run directory), not in the working directory."""
+    (the run directory), not in the working directory. wandb's charts use the row's ``step`` as their
+    x-axis; a step computed again (in-run recovery, resume) is logged again beside the first one."""
 
     def __init__(self, path: str, start_step: int = 0, wandb_cfg: Optional[Any] = None,
                  run_name: str = "", *, config: Optional[dict] = None):
@@ -152,6 +153,12 @@ class MetricsLog:
             import wandb
             self.wandb = wandb.init(project=wandb_cfg.project, mode=wandb_cfg.mode, name=run_name, id=run_name or None,
                                     resume="allow", config=config, dir=run_dir)
+            # Charts are plotted against the training step, a metric of each row, and wandb's own step
+            # counts the rows: the steps a run computes again (after an in-run recovery, or a resume
+            # from a checkpoint older than its last logged step) are kept, where wandb.log(step=)
+            # would drop every row whose step is not above the last one.
+            self.wandb.define_metric("step")
+            self.wandb.define_metric("*", step_metric="step")
 
     def log(self, row: dict) -> None:
         """Write one step's metrics (a flat dict of numbers, and the held-out evaluation's
@@ -160,7 +167,7 @@ class MetricsLog:
         self.f.flush()
         os.fsync(self.f.fileno())
         if self.wandb is not None:
-            self.wandb.log(row, step=row["step"])
+            self.wandb.log(row)
 
     def close(self) -> None:
         """Close the file and finish the wandb run."""

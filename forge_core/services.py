@@ -90,21 +90,35 @@ async def call_all(actor_name: str, endpoint: "_Endpoint", *args: Any, timeout_s
 
 
 class _Endpoint:
-    """One endpoint of every rank of a service: ``call_one`` calls all ranks (their collectives need
-    all of them) and returns rank 0's answer; ``call_all`` returns every rank's, in rank order."""
+    """One endpoint of every rank of a service (``mesh``: its actor mesh, one process per rank along
+    ``procs``): ``call_one`` calls all ranks (their collectives need all of them) and returns rank 0's
+    answer; ``call_all`` returns every rank's, in rank order."""
 
-    def __init__(self, ep: Any, ranks: int):
-        self.ep, self.ranks = ep, ranks
+    def __init__(self, mesh: Any, name: str, ranks: int):
+        self.mesh, self.name, self.ranks = mesh, name, ranks
 
     async def call_one(self, *args: Any) -> Any:
         """Call every rank; rank 0's answer."""
         return (await self.call_all(*args))[0]
 
     async def call_all(self, *args: Any) -> list:
-        """Call every rank; the answers in rank order."""
+        """Call every rank; the answers in rank order. Each rank is called on its own, so the first
+        rank that raises ends the call at once with its error, while the others may still wait in a
+        collective for it (a call of the whole mesh would wait for every rank: until the caller's
+        deadline). Raises what the first failing rank raised."""
         if self.ranks == 1:
-            return [await self.ep.call_one(*args)]
-        return [v for _, v in sorted((await self.ep.call(*args)).items(), key=lambda pv: pv[0].rank)]
+            return [await getattr(self.mesh, self.name).call_one(*args)]
+        tasks = [asyncio.ensure_future(getattr(self.mesh.slice(procs=r), self.name).call_one(*args))
+                 for r in range(self.ranks)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t in done and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
 
 
 @dataclass
@@ -127,7 +141,7 @@ class Service:
     def __getattr__(self, endpoint: str) -> _Endpoint:
         if endpoint.startswith("_"):
             raise AttributeError(endpoint)
-        return _Endpoint(getattr(self.actor, endpoint), self.ranks)
+        return _Endpoint(self.actor, endpoint, self.ranks)
 
     async def stop(self, timeout_s: float = 30.0, kill: bool = False) -> None:
         """Stop the service's processes within ``timeout_s`` seconds; errors are ignored (an actor
@@ -313,7 +327,7 @@ async def spawn_service(cfg: DictConfig, role: str, slot: Slot, plan: Plan, host
     procs = host.spawn_procs(per_host={"procs": ranks})
     placement = procs.spawn(f"placement_{name}", Placement)
     start_s = cfg.fault.startup_timeout_s
-    where = await call_all(f"placement_{name}", _Endpoint(placement.where, ranks), timeout_s=start_s)
+    where = await call_all(f"placement_{name}", _Endpoint(placement, "where", ranks), timeout_s=start_s)
     addr = where[0]["addr"] if hosts is not None and where[0]["addr"] else "127.0.0.1"
     mod, cls = ROLES[role][cfg.device == "cuda"].split(":")  # imported on demand: vLLM only on GPUs
     actor = procs.spawn(name, getattr(importlib.import_module(mod), cls),

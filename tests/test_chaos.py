@@ -232,33 +232,29 @@ def _check_survivor(run: Run, steps: int, injected: list[dict], label: str) -> t
     return lost, twice
 
 
-@pytest.mark.parametrize("run_no", [0, 1])
-def test_kill_services_at_random_points(tmp_path, run_no):
-    """Two runs, each with a kill -9 of every service at seeded random points (in a seeded order):
-    the first kills one of them a second time (its respawned process), the second also stops the
-    generator (SIGSTOP: a hang) at a random position among the kills. Each fault is respawned, no
-    step lost or repeated, counters exact."""
-    rng = random.Random(SEED * 10 + run_no)
+def test_kill_services_at_random_points(tmp_path):
+    """One run with a kill -9 of every service at seeded random points (in a seeded order), a second
+    kill of one of them (its respawned process) after its first, and a stop of the generator
+    (SIGSTOP: a hang; its calls have the most deadlines: generate, weight loads) at a random position
+    among the kills. Each fault is respawned, no step lost or repeated, counters exact."""
+    rng = random.Random(SEED * 10)
     services = list(SERVICES)
     rng.shuffle(services)
-    sig = {}
-    if run_no == 0:  # a second kill of one service, after its first one
-        again = rng.randrange(len(services))
-        services.insert(rng.randint(again + 1, len(services)), services[again])
-    else:  # a hang of the generator (its calls have the most deadlines: generate, weight loads)
-        hang_at = rng.randrange(len(services) + 1)
-        services.insert(hang_at, "generator")
-        sig[hang_at] = signal.SIGSTOP
+    again = rng.randrange(len(services))
+    services.insert(rng.randint(again + 1, len(services)), services[again])
+    hang_at = rng.randrange(len(services) + 1)
+    services.insert(hang_at, "generator")
+    sig = {hang_at: signal.SIGSTOP}
     plan = _plan(rng, services, first=2, gap=2)
     # every service is called again after the last fault, even when each recovery lets the run move
     # on by up to four steps before the next fault goes in (a tiny step takes well under a second,
     # and the next batch may already be generated while the previous is being scored)
     steps = plan[-1][0] + 4 + 4 * len(plan)
-    run = Run(tmp_path, f"kill{run_no}", [f"steps={steps}", "fault.max_restarts=10", *FAST_FAULTS])
+    run = Run(tmp_path, "kill", [f"steps={steps}", "fault.max_restarts=10", *FAST_FAULTS])
     try:
         injected = _inject(run, plan, sig)
         pids = [run.pid(s) for s in (*SERVICES, "trainer", "replay_buffer")] + [f["pid"] for f in injected]
-        lost, twice = _check_survivor(run, steps, injected, f"run {run_no} ({steps} steps)")
+        lost, twice = _check_survivor(run, steps, injected, f"{len(plan)} faults ({steps} steps)")
     finally:
         run.kill()
     assert not _shm_left(pids), _shm_left(pids)  # the trainer's staging buffer, killed processes' buffers

@@ -317,7 +317,8 @@ def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
 
 def test_wandb_writes_inside_the_run_directory(tmp_path, monkeypatch):
     """With wandb on (offline), its ``wandb/`` folder is in the run directory, not in the directory the
-    run was started from (the repository root, for make run)."""
+    run was started from (the repository root, for make run); steps logged again (an in-run recovery)
+    reach wandb's history too (wandb.log(step=) drops a step that is not above the last)."""
     pytest.importorskip("wandb")
     for k in ("WANDB_DIR", "WANDB_API_KEY"):
         monkeypatch.delenv(k, raising=False)
@@ -326,9 +327,23 @@ def test_wandb_writes_inside_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "cwd")
     log = MetricsLog(str(tmp_path / "run" / "metrics.jsonl"), wandb_cfg=SimpleNamespace(project="forge-test",
                                                                                        mode="offline"), run_name="r")
-    log.log({"step": 1, "loss": 0.5})
+    for step in (1, 2, 3, 2, 3):  # steps 2 and 3 computed again after an in-run recovery to step 1
+        log.log({"step": step, "loss": step / 10})
     log.close()
     assert (tmp_path / "run" / "wandb").is_dir() and not os.listdir(tmp_path / "cwd")
+    # every row reached wandb's history, the recomputed ones too, with the training step as x-axis
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal.datastore import DataStore
+
+    [path] = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    ds, history = DataStore(), []
+    ds.open_for_scan(str(path))
+    while (data := ds.scan_data()) is not None:
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            history.append({i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    assert [(h["step"], h["loss"]) for h in history] == [(1, 0.1), (2, 0.2), (3, 0.3), (2, 0.2), (3, 0.3)], history
 
 
 def test_reference_of_batch_k_overlaps_generation_of_batch_k_plus_1(tmp_path):

@@ -133,3 +133,78 @@ def test_actors_get_their_config_sections_as_dataclasses_that_pickle():
     assert t.model_cfg == tr["model"] and (t.sync_timeout_s, t.bucket_bytes) == (300.0, 8 << 20)
     assert pickle.loads(pickle.dumps(t.t)) == t.t and pickle.loads(pickle.dumps(t.loss_cfg)) == t.loss_cfg
     assert RewardActor(**kws["reward"]).cfg.fn == cfg.reward.fn
+
+
+RANKS_ACTOR = '''
+import asyncio, os
+from monarch.actor import Actor, current_rank, endpoint
+
+
+class Ranks(Actor):
+    """Rank ``fail`` raises at once; the others wait, as in a collective the failed rank never joins."""
+
+    def __init__(self):
+        self.rank = current_rank().rank  # the rank in the service's mesh (as the trainer takes its own)
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def step(self, fail: int) -> int:
+        rank = self.rank
+        if rank == fail:
+            raise RuntimeError(f"rank {rank}: CUDA out of memory")
+        if fail >= 0:
+            await asyncio.sleep(600)
+        return rank
+'''
+RANKS_CALLER = '''
+import asyncio, json, os, signal, time
+from monarch.actor import this_host
+from forge_core.services import ActorFailed, _Endpoint, call, call_all
+from ranks_actor import Ranks
+
+
+async def go():
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    ranks = procs.spawn("ranks", Ranks)
+    pids = await call_all("trainer", _Endpoint(ranks, "pid", 2), timeout_s=60)
+    out = {"answers": await call_all("trainer", _Endpoint(ranks, "step", 2), -1, timeout_s=60)}
+    t0 = time.perf_counter()
+    try:
+        await call("trainer", _Endpoint(ranks, "step", 2), 1, timeout_s=120)
+    except ActorFailed as e:
+        out["error"], out["error_after_s"] = str(e), time.perf_counter() - t0
+    for pid in pids:  # rank 0 still waits: end both as a respawn would
+        os.kill(pid, signal.SIGKILL)
+    try:
+        await asyncio.wait_for(procs.stop(), 10)
+    except Exception:
+        pass
+    return out
+
+print("RESULT " + json.dumps(asyncio.run(go())))
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_a_call_of_every_rank_at_once(tmp_path):
+    """A service of two ranks: called on each rank, the answers come back in rank order; when rank 1
+    raises while rank 0 waits (for a collective rank 1 never joins), the call ends with rank 1's error
+    within seconds, not at the caller's 120 s deadline."""
+    import json
+    import subprocess
+
+    from helpers import PY, ROOT, child_env
+
+    pytest.importorskip("monarch.actor")
+    (tmp_path / "ranks_actor.py").write_text(RANKS_ACTOR)
+    p = subprocess.run([PY, "-c", RANKS_CALLER], env=child_env(tmp_path), cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(line[7:])
+    assert out["answers"] == [0, 1]
+    assert "actor 'trainer' failed: " in out["error"] and "rank 1: CUDA out of memory" in out["error"], out
+    assert out["error_after_s"] < 30, out
