@@ -111,11 +111,7 @@ class _Endpoint:
         tasks = [asyncio.ensure_future(getattr(self.mesh.slice(procs=r), self.name).call_one(*args))
                  for r in range(self.ranks)]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in tasks:
-                if t in done and t.exception() is not None:
-                    raise t.exception()
-            return [t.result() for t in tasks]
+            return list(await asyncio.gather(*tasks))  # raises the first error as it comes
         finally:
             for t in tasks:
                 t.cancel()
